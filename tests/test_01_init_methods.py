@@ -1,0 +1,143 @@
+"""01_init_methods.py under every launcher, and its bad-input errors."""
+
+from __future__ import annotations
+
+import re
+import socket
+
+import pytest
+import torch
+from launch import PYTHON, REPO, command, free_port, load_script, run, run_many
+
+SCRIPT = "01_init_methods.py"
+ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)\s+(\w+)\s+(\S+)\s*$", re.M)
+
+
+def table(stdout: str) -> list[dict]:
+    return [dict(rank=int(m[1]), local_rank=int(m[2]), node_rank=int(m[3]),
+                 world_size=int(m[4]), pid=int(m[6]), backend=m[7], device=m[8])
+            for m in ROW.finditer(stdout)]
+
+
+def expected_summary(ws: int) -> str:
+    evens, odds = list(range(0, ws, 2)), list(range(1, ws, 2))
+    parts = [f"all_reduce sum={ws * (ws - 1) // 2}", f"all_gather={list(range(ws))}",
+             f"broadcast={1000 + ws}", f"even group {evens} sum={sum(evens)}"]
+    if odds:
+        parts.append(f"odd group {odds} sum={sum(odds)}")
+    return ", ".join(parts)
+
+
+def assert_one_node_job(stdout: str, ws: int, scheme: str = "env") -> None:
+    rows = table(stdout)
+    assert [r["rank"] for r in rows] == list(range(ws)), stdout
+    assert [r["local_rank"] for r in rows] == list(range(ws))
+    assert {r["node_rank"] for r in rows} == {0}
+    assert {r["world_size"] for r in rows} == {ws}
+    assert {(r["backend"], r["device"]) for r in rows} == {("gloo", "cpu")}
+    assert len({r["pid"] for r in rows}) == ws  # really separate processes
+    last = stdout.strip().splitlines()[-1]
+    assert last == f"verified: {ws} rank(s) joined via {scheme}://; {expected_summary(ws)}"
+
+
+def test_single_process_is_a_world_of_one():
+    r = run(SCRIPT).ok()
+    assert "world_size=1" in r.stdout
+    assert_one_node_job(r.stdout, 1)
+
+
+@pytest.mark.parametrize("nproc", [1, 2, 3])
+def test_torchrun_ranks_and_collectives(nproc):
+    r = run(SCRIPT, launcher="torchrun", nproc=nproc).ok()
+    assert_one_node_job(r.stdout, nproc)
+
+
+def test_spawn_ranks_and_collectives():
+    r = run(SCRIPT, launcher="spawn", nproc=3).ok()
+    assert_one_node_job(r.stdout, 3)
+
+
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_manual_launch_two_processes(scheme, tmp_path):
+    init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rdzv"
+    cmds = [command(SCRIPT, ["--init-method", init, "--rank", str(r), "--world-size", "2",
+                             "--timeout", "60"]) for r in (0, 1)]
+    rank0, rank1 = run_many(cmds, timeout=90)
+    rank0.ok(), rank1.ok()
+    assert_one_node_job(rank0.stdout, 2, scheme)
+    assert rank1.stdout == ""  # rank 0 alone tells the story
+
+
+def test_spawn_with_tcp_init_passes_ranks_itself():
+    r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", launcher="spawn",
+            nproc=2).ok()
+    assert_one_node_job(r.stdout, 2, "tcp")
+
+
+def test_two_torchrun_agents_form_a_two_node_job():
+    endpoint = f"127.0.0.1:{free_port()}"
+    agent = [PYTHON, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "2",
+             "--rdzv-backend", "c10d", "--rdzv-endpoint", endpoint, "--rdzv-id", "two-node-test",
+             str(REPO / SCRIPT), "--timeout", "60"]
+    a, b = run_many([agent, agent], timeout=120)
+    a.ok(), b.ok()
+    out = a.stdout + b.stdout
+    rows = table(out)
+    assert [r["rank"] for r in rows] == [0, 1, 2, 3]
+    # rank = node rank * processes per node + local rank, on both nodes
+    assert [(r["node_rank"], r["local_rank"]) for r in rows] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert out.strip().splitlines()[-1] == \
+        f"verified: 4 rank(s) joined via env://; {expected_summary(4)}"
+
+
+# --- bad input: a short message and a non-zero exit, never a hang ----------------------
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+@pytest.mark.parametrize("launcher", ["single", "spawn"])
+def test_nccl_without_cuda_is_a_clear_error(launcher):
+    r = run(SCRIPT, "--backend", "nccl", launcher=launcher).failed()
+    assert "--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_missing_ranks_fail_after_timeout_saying_how_many_joined():
+    r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", "--rank", "0",
+            "--world-size", "3", "--timeout", "2", timeout=60).failed()
+    assert "[rank 0] error: only 1 of 3 ranks joined within 2s" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_rendezvous_port_in_use_is_a_clear_error():
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0",
+                "--world-size", "2", "--timeout", "5", timeout=60).failed()
+    assert f"[rank 0] error: the rendezvous port is already in use (tcp://127.0.0.1:{port})" \
+        in r.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--init-method", "udp://127.0.0.1:1"], "use env://, tcp://HOST:PORT or file:///PATH"),
+    (["--init-method", "tcp://127.0.0.1"], "tcp:// needs HOST:PORT"),
+    (["--init-method", "tcp://127.0.0.1:1"], "tcp:// needs --rank and --world-size"),
+    (["--init-method", "tcp://127.0.0.1:1", "--rank", "-1", "--world-size", "2"],
+     "--rank must be >= 0, got -1"),
+    (["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"],
+     "--rank 2 must be < --world-size 2"),
+    (["--spawn", "0"], "must be >= 1, got 0"),
+    (["--timeout", "-3"], "must be > 0, got -3"),
+])
+def test_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_bad_argument_exits_2_from_the_command_line():
+    r = run(SCRIPT, "--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2")
+    assert r.returncode == 2, r
+    assert r.stderr.strip().splitlines()[-1] == \
+        "01_init_methods.py: error: --rank 2 must be < --world-size 2"
