@@ -7,6 +7,7 @@ import socket
 
 import pytest
 import torch
+
 from launch import PYTHON, REPO, command, free_port, load_script, run, run_many
 
 SCRIPT = "01_init_methods.py"

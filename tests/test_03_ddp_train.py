@@ -6,6 +6,7 @@ import re
 
 import pytest
 import torch
+
 from launch import load_script, run
 
 SCRIPT = "03_ddp_train.py"

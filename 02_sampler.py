@@ -1,0 +1,440 @@
+"""02_sampler.py: how DistributedSampler splits a dataset across ranks, shown and checked.
+
+Each rank loads a small dataset whose items are their own indices through
+DataLoader(sampler=DistributedSampler(...)); rank 0 gathers what every rank got and prints
+who got which sample, which samples were padding repeats and which were dropped, and
+checks every claim below at run time.
+
+Run
+  torchrun --standalone --nproc_per_node 3 02_sampler.py --dataset-size 10
+  python 02_sampler.py --spawn 4 --dataset-size 10 --drop-last
+  python 02_sampler.py --spawn 2 --forget-set-epoch          # the classic bug, shown
+  python 02_sampler.py --spawn 2 --num-workers 2             # worker seeding
+  python 02_sampler.py                                        # world size 1
+  # two nodes: torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
+  #     --rdzv-endpoint HOST0:29400 --rdzv-id job1 02_sampler.py
+
+How DistributedSampler(dataset, num_replicas=W, rank=r, shuffle, seed, drop_last) works,
+for a dataset of N samples:
+  1. order = torch.randperm(N) seeded with seed + epoch (or 0..N-1 without shuffle);
+     every rank computes the same order, because they share seed and epoch.
+  2. drop_last=False: repeat the head of the order until its length is a multiple of W
+     (ceil(N/W) per rank; some samples are seen twice). drop_last=True: cut the tail to a
+     multiple of W (floor(N/W) per rank; N mod W samples are not seen this epoch).
+  3. rank r takes order[r], order[r+W], order[r+2W], ...
+Every rank therefore yields the same number of samples, which DDP needs: a rank with
+fewer batches would stop calling the gradient all-reduce and the others would wait for it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
+
+# ---------------------------------------------------------------------------
+# Distributed boilerplate: the same code, in the same order, in all six scripts.
+# ---------------------------------------------------------------------------
+
+# torch.amp.GradScaler("cuda"), torchvision's get_model/list_models and
+# torch.load(weights_only=True) of optimizer state are all there from 2.4 on.
+MIN_TORCH = "2.4"
+
+
+class SetupError(RuntimeError):
+    """The job cannot start as configured; the message says what to change."""
+
+
+class CheckFailed(RuntimeError):
+    """A property this script demonstrates did not hold."""
+
+
+def check(ok: bool, name: str, detail: str) -> None:
+    if not ok:
+        raise CheckFailed(f"{name}: {detail}")
+
+
+def require_torch(minimum: str = MIN_TORCH) -> None:
+    if torch.__version__ < minimum:  # TorchVersion compares as a version, not as text
+        sys.exit(f"error: these scripts need torch >= {minimum}, found {torch.__version__}")
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("launch")
+    g.add_argument("--spawn", nargs="?", type=positive_int, const=0, default=None, metavar="N",
+                   help="start N processes with torch.multiprocessing.spawn "
+                        "(default N: one per visible GPU, else 2)")
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: NCCL when this process has a CUDA GPU, else Gloo (default: auto)")
+    g.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="give up on a missing peer or a stuck collective after this long "
+                        "(default: 300)")
+
+
+def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(main, args: argparse.Namespace) -> None:
+    """Run main(args) on every rank: under torchrun, under mp.spawn, or as one process."""
+    if args.spawn is not None:
+        nprocs = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+        port = free_port()  # chosen here, so every child meets at the same place
+        try:
+            mp.spawn(_spawned, args=(main, args, nprocs, port), nprocs=nprocs, join=True)
+        except mp.ProcessExitedException as e:  # the child already printed its reason
+            sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
+        return
+    if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run_rank(main, args)
+
+
+def _spawned(local_rank: int, main, args: argparse.Namespace, nprocs: int, port: int) -> None:
+    # mp.spawn passes the process index first; give it the variables torchrun would set.
+    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
+                      WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_rank(main, args)
+
+
+def run_rank(main, args: argparse.Namespace) -> None:
+    """Call main(args); on any failure print one line naming this rank and exit 1."""
+    rank = os.environ.get("RANK", "?")
+    try:
+        main(args)
+    except CheckFailed as e:
+        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    except (SetupError, dist.DistError, RuntimeError, ValueError, OSError) as e:
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        sys.exit(1)
+    finally:
+        teardown()
+
+
+@dataclass
+class Dist:
+    rank: int
+    local_rank: int
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def pick_backend_and_device(backend: str, local_rank: int, local_world_size: int):
+    has_cuda = torch.cuda.is_available()
+    if backend == "auto":
+        backend = "nccl" if has_cuda else "gloo"
+    if backend == "gloo":
+        # Gloo here means CPU tensors; spread the cores over the local processes.
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+        torch.set_num_threads(max(1, (cores or 1) // local_world_size))
+        return "gloo", torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if local_world_size > gpus:
+        raise SetupError(f"{local_world_size} processes on this node but only {gpus} GPU(s): "
+                         f"start at most {gpus} per node (one process per GPU)")
+    # Bind this process to its GPU before init_process_group, by LOCAL rank: GPU ids
+    # restart at 0 on every node, so the global rank would point past the last GPU.
+    if hasattr(torch, "accelerator"):
+        torch.accelerator.set_device_index(local_rank)
+    else:
+        torch.cuda.set_device(local_rank)
+    return "nccl", torch.device("cuda", local_rank)
+
+
+def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
+    kwargs = {}
+    if not init_method.startswith("env://"):
+        # tcp:// and file:// name only the meeting point: each process must also say
+        # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
+        kwargs = dict(rank=rank, world_size=world_size)
+    try:
+        dist.init_process_group(backend, init_method=init_method,
+                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    except (dist.DistError, RuntimeError) as e:
+        raise SetupError(explain_init_failure(str(e), init_method, world_size, timeout)) from e
+    return Dist(rank, local_rank, world_size, local_world_size,
+                int(os.environ.get("GROUP_RANK", 0)), backend, device)
+
+
+def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
+    where = init_method if not init_method.startswith("env://") else \
+        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "EADDRINUSE" in message or "address already in use" in message:
+        return f"the rendezvous port is already in use ({where}); choose another port"
+    joined = re.search(r"(\d+)/(\d+) clients joined", message)
+    if joined:
+        return (f"only {joined[1]} of {joined[2]} ranks joined within {timeout:g}s ({where}); "
+                f"start the missing ranks or lower the world size")
+    if "timeout" in message.lower() or "timed out" in message.lower():
+        return (f"not all {world_size} ranks joined within {timeout:g}s ({where}); "
+                f"start the missing ranks or lower the world size")
+    return f"init_process_group failed ({where}): {message}"
+
+
+def teardown() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+
+# ---------------------------------------------------------------------------
+# The dataset and the loader.
+# ---------------------------------------------------------------------------
+
+class IndexDataset(Dataset):
+    """Item i is (i, the loader worker that built it, one random 'augmentation' draw)."""
+
+    def __init__(self, size: int):
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, index: int):
+        worker = get_worker_info()
+        # A stand-in for a random crop or flip: drawn from this worker's torch RNG.
+        draw = int(torch.randint(0, 2**31 - 1, ()))
+        return index, (worker.id if worker else -1), draw
+
+
+def make_loader(args: argparse.Namespace, d: Dist):
+    dataset = IndexDataset(args.dataset_size)
+    sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank,
+                                 shuffle=args.shuffle, seed=args.seed, drop_last=args.drop_last)
+    # Worker RNGs are seeded from base_seed + worker id, and base_seed is drawn from this
+    # generator. Seeded by rank, it differs across ranks (otherwise every rank's worker k
+    # would make the same "random" augmentations) yet is reproducible from --seed.
+    generator = torch.Generator().manual_seed(args.seed * 1000 + d.rank)
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
+                        num_workers=args.num_workers, generator=generator,
+                        persistent_workers=args.num_workers > 0,  # no worker restart per epoch
+                        pin_memory=d.device.type == "cuda")       # faster host-to-GPU copies
+    return loader, sampler
+
+
+def expected_per_rank(n: int, world_size: int, drop_last: bool) -> int:
+    return n // world_size if drop_last else math.ceil(n / world_size)
+
+
+def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
+    loader, sampler = make_loader(args, d)
+    torch.manual_seed(args.seed * 1000 + d.rank)  # draws made in this process (num_workers=0)
+    epochs = []
+    for epoch in range(args.epochs):
+        if not args.forget_set_epoch:
+            sampler.set_epoch(epoch)  # same seed + epoch on every rank: a new shared order
+        indices, streams = [], {}
+        for batch_indices, workers, draws in loader:
+            indices += batch_indices.tolist()
+            for w, x in zip(workers.tolist(), draws.tolist()):
+                streams.setdefault(w, []).append(x)
+        epochs.append({"indices": indices, "streams": streams})
+    return epochs
+
+
+# ---------------------------------------------------------------------------
+# What rank 0 shows, and what every rank checks.
+# ---------------------------------------------------------------------------
+
+def interleave(shards: list[list[int]]) -> list[int]:
+    """The epoch's padded order as the sampler built it: position r + j*W is rank r's j-th."""
+    return [shards[r][j] for j in range(len(shards[0])) for r in range(len(shards))]
+
+
+def shard_table(shards: list[list[int]], n: int, limit: int = 16) -> str:
+    w = len(shards)
+    lines = []
+    for r, shard in enumerate(shards):
+        # Position r + j*W of the padded order is a repeat of the head when it is >= N.
+        cells = [f"{x}*" if r + j * w >= n else str(x) for j, x in enumerate(shard[:limit])]
+        more = f" ... (+{len(shard) - limit})" if len(shard) > limit else ""
+        lines.append(f"  rank {r}: {' '.join(cells) if cells else '(nothing)'}{more}")
+    return "\n".join(lines)
+
+
+def verify_epoch(shards: list[list[int]], n: int, drop_last: bool) -> tuple[int, list[int]]:
+    """Check one epoch's shards; return (padding repeats, dropped samples)."""
+    w = len(shards)
+    per_rank = expected_per_rank(n, w, drop_last)
+    counts = [len(s) for s in shards]
+    check(all(c == per_rank for c in counts), "equal shard sizes",
+          f"expected {per_rank} samples on every rank "
+          f"({'floor' if drop_last else 'ceil'}({n}/{w})), got {counts}")
+    seen = [x for s in shards for x in s]
+    check(all(0 <= x < n for x in seen), "valid indices", f"index outside 0..{n - 1}")
+    if drop_last:
+        check(len(set(seen)) == len(seen), "disjoint shards",
+              f"{len(seen) - len(set(seen))} samples went to more than one rank")
+        dropped = sorted(set(range(n)) - set(seen))
+        expected = n % w if n >= w else n
+        check(len(dropped) == expected, "dropped samples",
+              f"expected {expected} ({n} mod {w}) unseen samples, got {len(dropped)}")
+        return 0, dropped
+    check(set(seen) == set(range(n)), "shards cover the dataset",
+          f"missing {sorted(set(range(n)) - set(seen))[:10]}")
+    repeats = len(seen) - n
+    check(repeats == w * per_rank - n, "padding",
+          f"expected {w * per_rank - n} repeated samples, got {repeats}")
+    order = interleave(shards)
+    check(sorted(order[:n]) == list(range(n)), "one shared order",
+          "the first N positions of the interleaved shards are not a permutation: "
+          "ranks disagree on the order")
+    check(order[n:] == (order[:n] * math.ceil(max(repeats, 1) / n))[:repeats], "padding",
+          "the padding is not a repeat of the head of the order")
+    return repeats, []
+
+
+def verify_order(orders: list[list[int]], n: int, args: argparse.Namespace) -> str:
+    """With set_epoch the order is randperm seeded with seed + epoch; without, it repeats."""
+    if not args.shuffle:
+        check(all(o == list(range(len(o))) for o in orders), "unshuffled order",
+              "without --shuffle the order should be 0..N-1")
+        return "unshuffled: every epoch in index order 0..N-1"
+    for epoch, order in enumerate(orders):
+        used = epoch if not args.forget_set_epoch else 0
+        expected = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + used))
+        check(order == expected.tolist()[:len(order)], "order follows seed + epoch",
+              f"epoch {epoch}: the order is not randperm({n}) seeded with {args.seed + used}")
+    distinct = len({tuple(o) for o in orders})
+    if args.forget_set_epoch:
+        return (f"BUG SHOWN: set_epoch was never called, so all {len(orders)} epochs used "
+                f"the same order (the sampler still thinks it is epoch 0): every epoch sees "
+                f"the same samples in the same batches. Call sampler.set_epoch(epoch).")
+    return (f"set_epoch: {distinct} distinct orders in {len(orders)} epochs, each "
+            f"randperm({n}) seeded with {args.seed} + epoch")
+
+
+def verify_draws(per_rank_epochs: list[list[dict]]) -> str:
+    """Every (rank, worker, epoch) stream of augmentation draws must be its own."""
+    firsts = {}
+    for rank, epochs in enumerate(per_rank_epochs):
+        for epoch, e in enumerate(epochs):
+            for worker, draws in e["streams"].items():
+                firsts[(rank, int(worker), epoch)] = tuple(draws[:2])
+    repeated = len(firsts) - len(set(firsts.values()))
+    check(repeated == 0, "distinct augmentation streams",
+          f"{repeated} (rank, worker, epoch) streams repeat another's random draws")
+    return f"{len(firsts)} (rank, worker, epoch) augmentation streams, all distinct"
+
+
+def main(args: argparse.Namespace) -> None:
+    d = setup(args.backend, args.timeout)
+    mine = run_epochs(args, d)
+    everyone = [None] * d.world_size
+    dist.all_gather_object(everyone, mine)  # small Python lists: all_gather_object is fine
+    n, w = args.dataset_size, d.world_size
+    per_rank = expected_per_rank(n, w, args.drop_last)
+    if d.is_main:
+        print(f"{n} samples, {w} rank(s), shuffle={args.shuffle} seed={args.seed} "
+              f"drop_last={args.drop_last}: {per_rank} per rank per epoch, batches of "
+              f"{args.batch_size}, {args.num_workers} worker(s)  (* = padding repeat)")
+    # Every rank checks the gathered data, so a failed check stops all ranks together.
+    orders, dump = [], {"world_size": w, "dataset_size": n, "epochs": {}}
+    repeats = dropped = None
+    for epoch in range(args.epochs):
+        shards = [everyone[r][epoch]["indices"] for r in range(w)]
+        dump["epochs"][str(epoch)] = {str(r): s for r, s in enumerate(shards)}
+        if d.is_main:
+            print(f"epoch {epoch}\n{shard_table(shards, n)}")
+        repeats, dropped = verify_epoch(shards, n, args.drop_last)
+        if d.is_main and dropped:
+            print(f"  dropped: {' '.join(map(str, dropped[:16]))}"
+                  + (f" ... (+{len(dropped) - 16})" if len(dropped) > 16 else ""))
+        orders.append(interleave(shards)[:n])  # with drop_last: the head that was kept
+    order_note = verify_order(orders, n, args)
+    draws_note = verify_draws(everyone)
+    dump["draws"] = {str(r): [{str(k): v for k, v in e["streams"].items()} for e in everyone[r]]
+                     for r in range(w)}
+    if d.is_main:
+        if args.dump_indices:
+            Path(args.dump_indices).write_text(json.dumps(dump))
+        if repeats:
+            print(f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
+                  f"shards would count those samples again (05_eval_gather.py counts each once)")
+        if per_rank == 0:
+            print(f"note: {n} sample(s) for {w} ranks with drop_last: every rank gets nothing")
+        print(order_note)
+        print(f"verified: {w} rank(s) x {per_rank} samples per epoch; "
+              + ("shards disjoint, " + f"{len(dropped)} dropped per epoch"
+                 if args.drop_last else f"shards cover all {n}, {repeats} padding repeat(s)")
+              + f"; {draws_note}", flush=True)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser.add_argument("--dataset-size", type=positive_int, default=10)
+    parser.add_argument("--batch-size", type=positive_int, default=2)
+    parser.add_argument("--epochs", type=positive_int, default=2)
+    parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--drop-last", action="store_true")
+    parser.add_argument("--num-workers", type=nonnegative_int, default=0)
+    parser.add_argument("--forget-set-epoch", action="store_true",
+                        help="skip sampler.set_epoch(epoch): the classic bug")
+    parser.add_argument("--dump-indices", metavar="PATH",
+                        help="rank 0 writes every rank's indices per epoch as JSON")
+    add_launch_args(parser)
+    args = parser.parse_args(argv)
+    check_launch_args(parser, args)
+    return args
+
+
+def nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+if __name__ == "__main__":
+    require_torch()
+    launch(main, parse_args())

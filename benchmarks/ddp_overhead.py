@@ -1,0 +1,135 @@
+"""What does DDP cost? Training images/s of 03_ddp_train.py against its own upper bound.
+
+  (a) bound:    the same model and per-process batch, N processes, gradient sync switched
+                off, one batch already in memory (no sampler, loader or logging)
+  (b) default:  03_ddp_train.py's default configuration, end to end
+  (c) accum 4:  the same with --accum-steps 4 (one all-reduce per 4 micro-batches)
+  (d) 1 proc:   03_ddp_train.py as a single process (all cores, batch --batch-size)
+
+Ratios b/a and c/a say how much of the bound DDP plus the script's data and logging path
+keep. Run from the repo root:
+
+  python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
+  python benchmarks/ddp_overhead.py --nproc 8       # one node of 8 GPUs (NCCL)
+
+Results go to stdout and to benchmarks/results.json (--out).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+SUMMARY = re.compile(r"summary: \d+ steps, ([\d.]+) img/s")
+
+
+def bound_worker(args: argparse.Namespace) -> None:
+    """Run under torchrun: local training only, no gradient all-reduce, data in memory."""
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    import torchvision
+
+    rank, local_rank = int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"])
+    local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    else:
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
+    torch.manual_seed(0)
+    model = torchvision.models.get_model(args.arch, num_classes=10).to(device)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
+    y = torch.randint(10, (args.batch_size,), device=device)
+
+    def step():
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(x), y).backward()
+        optimizer.step()
+
+    for _ in range(3):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        step()
+    if cuda:
+        torch.cuda.synchronize()
+    dist.barrier()
+    seconds = time.perf_counter() - start
+    if rank == 0:
+        print(f"bound: {args.steps * args.batch_size * dist.get_world_size() / seconds:.1f} img/s")
+    dist.destroy_process_group()
+
+
+def run(cmd: list[str]) -> str:
+    print("$", " ".join(cmd), flush=True)
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
+    if done.returncode != 0:
+        sys.exit(f"benchmark step failed:\n{done.stdout}\n{done.stderr[-3000:]}")
+    return done.stdout
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--arch", default="resnet18")
+    parser.add_argument("--image-size", type=int, default=32)
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--steps", type=int, default=20, help="timed steps of the bound")
+    parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
+    parser.add_argument("--bound-worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.bound_worker:
+        return bound_worker(args)
+
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+                "--nproc_per_node", str(args.nproc)]
+    shape = ["--arch", args.arch, "--image-size", str(args.image_size),
+             "--batch-size", str(args.batch_size)]
+    out = run(torchrun + [__file__, "--bound-worker", "--steps", str(args.steps)] + shape)
+    results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
+    for key, extra in (("b_default", []), ("c_accum4", ["--accum-steps", "4"])):
+        out = run(torchrun + [str(REPO / "03_ddp_train.py")] + shape + extra)
+        results[key] = float(SUMMARY.search(out)[1])
+    out = run([sys.executable, str(REPO / "03_ddp_train.py")] + shape)
+    results["d_one_process"] = float(SUMMARY.search(out)[1])
+    results["b_over_a"] = round(results["b_default"] / results["a_bound"], 3)
+    results["c_over_a"] = round(results["c_accum4"] / results["a_bound"], 3)
+
+    import torch
+
+    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
+               + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+               + f", torch {torch.__version__}")
+    record = {"machine": machine, "nproc": args.nproc, "arch": args.arch,
+              "image_size": args.image_size, "batch_size_per_process": args.batch_size,
+              "images_per_s": results, "date": time.strftime("%Y-%m-%d")}
+    Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
+    print(f"\n{machine}; {args.nproc} processes, {args.arch} {args.image_size}px, "
+          f"batch {args.batch_size} per process")
+    for label, key in (("(a) bound, no gradient sync", "a_bound"),
+                       ("(b) 03 default", "b_default"), ("(c) 03 --accum-steps 4", "c_accum4"),
+                       ("(d) 03 one process", "d_one_process")):
+        print(f"  {label:<30} {results[key]:8.1f} img/s")
+    print(f"  b/a = {results['b_over_a']:.3f}   c/a = {results['c_over_a']:.3f}   "
+          f"(written to {args.out})")
+
+
+if __name__ == "__main__":
+    main()
