@@ -1,0 +1,88 @@
+"""05_eval_gather.py: metrics over any world size equal a one-process evaluation."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from launch import load_script, run
+
+SCRIPT = "05_eval_gather.py"
+COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
+results: dict = {}
+
+
+def evaluate(tmp_path, launcher, w, n, *extra):
+    metrics, predictions = tmp_path / "metrics.json", tmp_path / "predictions.csv"
+    r = run(SCRIPT, "--val-size", n, "--metrics-json", metrics, "--predictions", predictions,
+            *COMMON, *extra, launcher=launcher, nproc=w).ok()
+    return r, json.loads(metrics.read_text()), predictions.read_text()
+
+
+@pytest.mark.parametrize("launcher, w, n", [
+    ("single", 1, 103), ("torchrun", 2, 103), ("spawn", 3, 103), ("torchrun", 4, 103),
+    ("single", 1, 3), ("spawn", 4, 3),
+])
+def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
+    r, metrics, predictions = evaluate(tmp_path, launcher, w, n)
+    assert metrics["num_samples"] == n
+    assert sum(metrics["per_class_total"]) == n
+    assert sum(metrics["per_class_correct"]) == metrics["correct"]
+    assert predictions.splitlines()[0] == "index,label,prediction"
+    assert [int(line.split(",")[0]) for line in predictions.splitlines()[1:]] == list(range(n))
+    assert r.stdout.strip().splitlines()[-1] == \
+        f"verified: {n} samples counted once, all_gather agrees with all_reduce"
+    if w == 1:
+        results[n] = (metrics, predictions)
+        return
+    alone, alone_predictions = results[n]  # the one-process run of the same set, above
+    assert {k: v for k, v in metrics.items() if k != "loss"} == \
+        {k: v for k, v in alone.items() if k != "loss"}
+    assert metrics["loss"] == pytest.approx(alone["loss"], abs=1e-6)
+    assert predictions == alone_predictions
+    padded = w * -(-n // w)
+    assert f"(DistributedSampler pads {padded - n} repeat(s)" in r.stdout
+
+
+def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
+    checkpoint = tmp_path / "model.pt"
+    trained = run("03_ddp_train.py", "--image-size", "16", "--train-size", "256",
+                  "--val-size", "50", "--batch-size", "32", "--epochs", "1",
+                  "--save-model", checkpoint).ok()
+    reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 50 images", trained.stdout)
+    r = run(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON,
+            launcher="torchrun", nproc=3).ok()
+    mine = re.search(r"exact:  accuracy \d+/50 = ([\d.]+)%  loss ([\d.]+)", r.stdout)
+    assert float(mine[1]) == pytest.approx(float(reported[2]), abs=0.05)  # same 50 images
+    assert float(mine[2]) == pytest.approx(float(reported[1]), abs=1e-4)
+    assert r.stdout.strip().splitlines()[-1].endswith(
+        "identical to a one-process evaluation (counts exact, loss within 1e-6)")
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--checkpoint", "/nonexistent/model.pt"], "--checkpoint /nonexistent/model.pt: no such file"),
+])
+def test_missing_checkpoint_is_a_clear_error(extra, message):
+    r = run(SCRIPT, *extra, *COMMON).failed()
+    assert f"[rank 0] error: {message}" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_checkpoint_with_other_class_count_names_the_mismatch(tmp_path):
+    import torch
+    import torchvision
+
+    checkpoint = tmp_path / "five.pt"
+    torch.save(torchvision.models.get_model("resnet18", num_classes=5).state_dict(), checkpoint)
+    r = run(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, *COMMON).failed()
+    assert (f"[rank 0] error: --checkpoint {checkpoint} does not fit --arch resnet18 with 10 "
+            f"classes: fc.weight is (5, 512) in the file, (10, 512) in the model") in r.stderr
+
+
+def test_empty_dataset_is_a_usage_error(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--val-size", "0"])
+    assert exit_.value.code == 2
+    assert "--val-size: must be >= 1, got 0" in capsys.readouterr().err
