@@ -96,6 +96,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -660,13 +667,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.amp = None if args.amp == "none" else args.amp
     args.dtype = torch.float64 if args.float64 else torch.float32
     return args
-
-
-def nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 if __name__ == "__main__":

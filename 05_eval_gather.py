@@ -91,6 +91,13 @@ def positive_int(text: str) -> int:
     return value
 
 
+def nonnegative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
 def positive_float(text: str) -> float:
     value = float(text)
     if not value > 0:
@@ -471,7 +478,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--num-classes", type=positive_int, default=10, help="synthetic classes")
     parser.add_argument("--image-size", type=positive_int, default=32)
     parser.add_argument("--batch-size", type=positive_int, default=64)
-    parser.add_argument("--workers", type=int, default=0, help="DataLoader workers")
+    parser.add_argument("--workers", type=nonnegative_int, default=0, help="DataLoader workers")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--verify", action="store_true",
                         help="rank 0 also evaluates the whole set alone and compares")
