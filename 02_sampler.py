@@ -252,14 +252,14 @@ class IndexDataset(Dataset):
         return index, (worker.id if worker else -1), draw
 
 
-def make_loader(args: argparse.Namespace, d: Dist):
+def make_loader(args: argparse.Namespace, d: Dist, rank_seed: int):
     dataset = IndexDataset(args.dataset_size)
     sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank,
                                  shuffle=args.shuffle, seed=args.seed, drop_last=args.drop_last)
     # Worker RNGs are seeded from base_seed + worker id, and base_seed is drawn from this
     # generator. Seeded by rank, it differs across ranks (otherwise every rank's worker k
     # would make the same "random" augmentations) yet is reproducible from --seed.
-    generator = torch.Generator().manual_seed(args.seed * 1000 + d.rank)
+    generator = torch.Generator().manual_seed(rank_seed)
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.num_workers, generator=generator,
                         persistent_workers=args.num_workers > 0,  # no worker restart per epoch
@@ -272,8 +272,9 @@ def expected_per_rank(n: int, world_size: int, drop_last: bool) -> int:
 
 
 def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
-    loader, sampler = make_loader(args, d)
-    torch.manual_seed(args.seed * 1000 + d.rank)  # draws made in this process (num_workers=0)
+    rank_seed = args.seed * 1000 + d.rank  # differs across ranks, fixed by --seed
+    loader, sampler = make_loader(args, d, rank_seed)
+    torch.manual_seed(rank_seed)  # draws made in this process (num_workers=0)
     epochs = []
     for epoch in range(args.epochs):
         if not args.forget_set_epoch:
@@ -385,7 +386,6 @@ def main(args: argparse.Namespace) -> None:
               f"{args.batch_size}, {args.num_workers} worker(s)  (* = padding repeat)")
     # Every rank checks the gathered data, so a failed check stops all ranks together.
     orders, dump = [], {"world_size": w, "dataset_size": n, "epochs": {}}
-    repeats = dropped = None
     for epoch in range(args.epochs):
         shards = [everyone[r][epoch]["indices"] for r in range(w)]
         dump["epochs"][str(epoch)] = {str(r): s for r, s in enumerate(shards)}
