@@ -196,18 +196,32 @@ def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    kwargs = {}
+    kwargs = dict(init_method=init_method)
     if not init_method.startswith("env://"):
         # tcp:// and file:// name only the meeting point: each process must also say
         # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
-        kwargs = dict(rank=rank, world_size=world_size)
+        kwargs.update(rank=rank, world_size=world_size)
     try:
-        dist.init_process_group(backend, init_method=init_method,
-                                timeout=datetime.timedelta(seconds=timeout), **kwargs)
+        if init_method.startswith("env://") and \
+                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+            kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world_size)
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except (dist.DistError, RuntimeError) as e:
         raise SetupError(explain_init_failure(str(e), init_method, world_size, timeout)) from e
     return Dist(rank, local_rank, world_size, local_world_size,
                 int(os.environ.get("GROUP_RANK", 0)), backend, device)
+
+
+def torchrun_attempt_store(timeout: float):
+    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
+
+    The agent keeps one store for all the restarts that --max-restarts allows. Without a
+    scope, a restarted group can read the addresses the previous, dead group left there and
+    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/", store)
 
 
 def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
