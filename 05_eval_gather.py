@@ -137,17 +137,24 @@ def _spawned(local_rank: int, main, args: argparse.Namespace, nprocs: int, port:
 
 def run_rank(main, args: argparse.Namespace) -> None:
     """Call main(args); on any failure print one line naming this rank and exit 1."""
-    rank = os.environ.get("RANK", "?")
+    rank, code = os.environ.get("RANK", "?"), 0
     try:
         main(args)
     except CheckFailed as e:
-        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
+        code = 1
     except (SetupError, dist.DistError, RuntimeError, ValueError, OSError) as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        sys.exit(1)
+        print(f"[rank {rank}] error: {e}", file=sys.stderr)
+        code = 1
     finally:
         teardown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without the interpreter's shutdown. DDP keeps its process group, and so Gloo's
+    # worker threads, alive after destroy_process_group; a worker still releasing the last
+    # collective's tensors while Python finalizes aborts the process with "terminate called
+    # without an active exception" (pytorch/pytorch#190489). Everything is written by now.
+    os._exit(code)
 
 
 @dataclass
