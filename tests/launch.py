@@ -8,10 +8,12 @@ costs one test its deadline instead of costing CI its run.
 from __future__ import annotations
 
 import os
+import queue
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -103,7 +105,9 @@ def finish(proc: subprocess.Popen, cmd: list[str], timeout: float, started: floa
     return Run(cmd, proc.returncode, out, err, time.monotonic() - started)
 
 
-def command(script: str, args=(), launcher: str = "single", nproc: int = 2) -> list[str]:
+def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
+            extra=()) -> list[str]:
+    """extra: options for torchrun itself, such as ("--max-restarts", 1)."""
     path = str(REPO / script)
     if launcher == "single":
         return [PYTHON, path, *args]
@@ -111,13 +115,13 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2) -> l
         return [PYTHON, path, "--spawn", str(nproc), *args]
     if launcher == "torchrun":
         return [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(nproc), path, *args]
+                "--nproc_per_node", str(nproc), *map(str, extra), path, *args]
     raise ValueError(launcher)
 
 
 def run(script: str, *args: str, launcher: str = "single", nproc: int = 2,
-        timeout: float = 120, env: dict | None = None) -> Run:
-    cmd = command(script, [str(a) for a in args], launcher, nproc)
+        timeout: float = 120, env: dict | None = None, extra=()) -> Run:
+    cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
     started = time.monotonic()
     return finish(start(cmd, env), cmd, timeout, started)
 
@@ -136,6 +140,80 @@ def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run
                 kill_tree(p)
             raise
     return runs
+
+
+class Watched:
+    """A launch whose output the test reads while it runs, to act at a given moment (kill a
+    worker after a checkpoint, say). It has a deadline like any other launch."""
+
+    def __init__(self, script: str, *args, launcher: str = "single", nproc: int = 2,
+                 timeout: float = 120, env: dict | None = None, extra=()):
+        self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
+        self.started = time.monotonic()
+        self.deadline = self.started + timeout
+        self.proc = start(self.cmd, env)
+        self.lines: queue.Queue = queue.Queue()
+        self.out: list[str] = []
+        self.err: list[str] = []
+        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out,
+                                                                   self.lines), daemon=True),
+                        threading.Thread(target=self._read, args=(self.proc.stderr, self.err,
+                                                                   None), daemon=True)]
+        for reader in self.readers:
+            reader.start()
+
+    @staticmethod
+    def _read(stream, into: list, lines) -> None:
+        for line in stream:
+            into.append(line)
+            if lines is not None:
+                lines.put(line)
+        if lines is not None:
+            lines.put(None)
+
+    def _run(self, returncode: int) -> Run:
+        return Run(self.cmd, returncode, "".join(self.out), "".join(self.err),
+                   time.monotonic() - self.started)
+
+    def wait_for(self, text: str) -> str:
+        """Block until a stdout line contains text; fail at the deadline or at exit."""
+        while True:
+            try:
+                line = self.lines.get(timeout=max(0.0, self.deadline - time.monotonic()))
+            except queue.Empty:
+                kill_tree(self.proc)
+                pytest.fail(f"no line with {text!r} before the deadline:\n{self._run(-9)}")
+            if line is None:
+                self.proc.wait()
+                pytest.fail(f"exited before printing {text!r}:\n"
+                            f"{self._run(self.proc.returncode)}")
+            if text in line:
+                return line
+
+    def pids_with_env(self, name: str, value: str) -> list[int]:
+        """Descendant processes whose environment has name=value (a worker by its RANK)."""
+        wanted, found = f"{name}={value}".encode(), []
+        for pid in _descendants(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if wanted in f.read().split(b"\0"):
+                        found.append(pid)
+            except OSError:
+                continue
+        return found
+
+    def finish(self) -> Run:
+        try:
+            self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            kill_tree(self.proc)
+            self.proc.wait()
+            pytest.fail(f"launch timed out and was killed:\n{self._run(-9)}")
+        finally:
+            kill_tree(self.proc)
+        for reader in self.readers:
+            reader.join(timeout=10)
+        return self._run(self.proc.returncode)
 
 
 def load_script(script: str):

@@ -1,0 +1,218 @@
+"""04_checkpoint.py: atomic saves, exact resume, fallback, and torchrun's elastic restarts."""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import shutil
+import subprocess
+
+import pytest
+import torch
+
+from launch import Watched, load_script, run
+
+SCRIPT = "04_checkpoint.py"
+# 512 samples in batches of 16: one process takes 32 steps per epoch, two take 16. Saves come
+# every 12 steps and at each epoch's end, so one process saves at 12, 24, 32, 36, 48, 60, 64
+# and two at 12, 16, 24, 32.
+SMALL = ("--train-size", 512, "--batch-size", 16, "--epochs", 2, "--save-every", 12,
+         "--timeout", 60)
+
+
+def final_state(stdout: str) -> str:
+    return re.search(r"final state sha256 ([0-9a-f]{16})", stdout)[1]
+
+
+def launcher_for(nproc: int) -> str:
+    return "single" if nproc == 1 else "spawn"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, one per world size, with their checkpoint directories."""
+    done = {}
+
+    def get(nproc: int):
+        if nproc not in done:
+            directory = tmp_path_factory.mktemp(f"reference{nproc}")
+            r = run(SCRIPT, *SMALL, "--checkpoint-dir", directory,
+                    launcher=launcher_for(nproc), nproc=nproc).ok()
+            assert "verified: every epoch used each of the 512 samples once" in r.stdout
+            done[nproc] = final_state(r.stdout), directory
+        return done[nproc]
+    return get
+
+
+@pytest.mark.parametrize("nproc, fail_at, resumed_at, epoch, done", [
+    (1, 30, 24, 0, 384),   # mid-epoch
+    (1, 34, 32, 1, 0),     # at an epoch boundary
+    (2, 14, 12, 0, 384),   # mid-epoch, two ranks
+    (2, 20, 16, 1, 0),     # at an epoch boundary, two ranks
+])
+def test_a_killed_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
+        tmp_path, reference, nproc, fail_at, resumed_at, epoch, done):
+    expected, _ = reference(nproc)
+    args = (*SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", fail_at)
+    crashed = run(SCRIPT, *args, launcher=launcher_for(nproc), nproc=nproc).failed()
+    assert f"[rank {nproc - 1}] simulated failure at step {fail_at}: SIGKILL" in crashed.stdout
+    assert "final state" not in crashed.stdout
+    if nproc == 1:
+        assert crashed.returncode == -9  # SIGKILL: no cleanup, like a machine that is gone
+    resumed = run(SCRIPT, *args, launcher=launcher_for(nproc), nproc=nproc).ok()
+    assert (f"resuming from {tmp_path}/step-{resumed_at:08d}.pt: epoch {epoch} with {done} of "
+            f"its 512 samples done, global step {resumed_at}") in resumed.stdout
+    assert "simulated failure" not in resumed.stdout  # the first attempt only
+    assert final_state(resumed.stdout) == expected
+
+
+def test_torchrun_restarts_the_group_after_a_simulated_failure_and_resumes(tmp_path, reference):
+    expected, _ = reference(2)
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 20,
+            launcher="torchrun", nproc=2, extra=("--max-restarts", 1)).ok()
+    assert "[rank 1] simulated failure at step 20: SIGKILL to myself" in r.stdout
+    assert "attempt 2 (TORCHELASTIC_RESTART_COUNT=1)" in r.stdout
+    assert f"resuming from {tmp_path}/step-00000016.pt: epoch 1 with 0 of" in r.stdout
+    assert final_state(r.stdout) == expected
+
+
+def test_torchrun_recovers_from_a_worker_killed_from_outside(tmp_path, tmp_path_factory):
+    longer = (*SMALL[:4], "--epochs", 4, *SMALL[6:])  # 64 steps: time to kill in between
+    ref = run(SCRIPT, *longer, "--checkpoint-dir", tmp_path_factory.mktemp("ref4"),
+              launcher="spawn", nproc=2).ok()
+    job = Watched(SCRIPT, *longer, "--checkpoint-dir", tmp_path, launcher="torchrun", nproc=2,
+                  extra=("--max-restarts", 1))
+    job.wait_for("saved step-00000012.pt")
+    victims = job.pids_with_env("RANK", "1")
+    assert len(victims) == 1, victims
+    subprocess.run(["kill", "-KILL", str(victims[0])], check=True)
+    r = job.finish()
+    assert r.returncode == 0, f"expected success:\n{r}"
+    assert "attempt 2 (TORCHELASTIC_RESTART_COUNT=1)" in r.stdout
+    resumed = int(re.search(r"resuming from .*step-(\d{8})\.pt", r.stdout)[1])
+    assert resumed >= 12
+    assert final_state(r.stdout) == final_state(ref.stdout)
+
+
+def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):
+    expected, finished = reference(1)
+    directory = tmp_path / "ckpt"
+    shutil.copytree(finished, directory)
+    names = sorted(p.name for p in directory.glob("step-*"))
+    assert names == [f"step-{s:08d}.pt{x}" for s in (48, 60, 64) for x in ("", ".sha256")]
+    check = subprocess.run(["sha256sum", "-c", *sorted(p.name for p in
+                                                       directory.glob("*.sha256"))],
+                           cwd=directory, capture_output=True, text=True)
+    assert check.stdout.count(": OK") == 3  # the sidecars are plain sha256sum files
+    newest = directory / "step-00000064.pt"
+    data = newest.read_bytes()
+    newest.write_bytes(data[:len(data) // 2])
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", directory).ok()
+    assert (f"WARNING: step-00000064.pt is unreadable (sha256 mismatch ({len(data) // 2} bytes): "
+            f"truncated or corrupted)") in r.stderr
+    assert f"resuming from {directory}/step-00000060.pt: epoch 1 with 448 of" in r.stdout
+    assert (directory / "step-00000064.pt.unreadable").exists()
+    assert final_state(r.stdout) == expected
+
+
+def test_a_directory_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
+    (tmp_path / "step-00000010.pt").write_bytes(b"not a zip file")
+    (tmp_path / "step-00000010.pt.sha256").write_text("0" * 64 + "  step-00000010.pt\n")
+    (tmp_path / "step-00000020.pt").write_bytes(b"a save that never finished")
+    foreign = tmp_path / "step-00000030.pt"
+    torch.save({"weights": torch.zeros(3)}, foreign)
+    digest = hashlib.sha256(foreign.read_bytes()).hexdigest()
+    (tmp_path / "step-00000030.pt.sha256").write_text(f"{digest}  step-00000030.pt\n")
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="spawn", nproc=2).failed()
+    reasons = ("step-00000030.pt: not a checkpoint of this script (no args, epoch, "
+               "global_step, model, optimizer, position, rng, scheduler, seen, world_size); "
+               "step-00000020.pt: no step-00000020.pt.sha256: the save did not finish; "
+               "step-00000010.pt: sha256 mismatch (14 bytes): truncated or corrupted")
+    # Every rank reaches the same verdict; the first to exit gets the other stopped, so
+    # look for the message, not for both copies of it.
+    assert re.search(r"\[rank [01]\] error: ", r.stderr)
+    assert (f"] error: {tmp_path} holds 3 checkpoint(s) and none is readable ({reasons}). "
+            f"Move them away to start over") in r.stderr
+    assert "step 0" not in r.stdout  # it did not start from scratch
+
+
+def test_a_checkpoint_with_module_prefixed_keys_resumes_exactly(tmp_path, reference):
+    expected, finished = reference(1)
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    for name in ("step-00000064.pt", "step-00000064.pt.sha256"):
+        (tmp_path / name).unlink()
+    path = tmp_path / "step-00000060.pt"
+    state = torch.load(path, weights_only=True)
+    state["model"] = {f"module.{k}": v for k, v in state["model"].items()}  # as DDP saves it
+    torch.save(state, path)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    (tmp_path / "step-00000060.pt.sha256").write_text(f"{digest}  {path.name}\n")
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
+    assert 'global step 60 (stripped the "module." prefix)' in r.stdout
+    assert final_state(r.stdout) == expected
+
+
+def test_init_from_accepts_a_state_dict_saved_from_the_ddp_wrapper(tmp_path):
+    module = load_script(SCRIPT)
+    torch.manual_seed(123)
+    weights = module.build_model().state_dict()
+    plain, wrapped = tmp_path / "plain.pt", tmp_path / "wrapped.pt"
+    torch.save(weights, plain)
+    torch.save({f"module.{k}": v for k, v in weights.items()}, wrapped)
+    args = ("--train-size", 128, "--batch-size", 16, "--epochs", 1)
+    a = run(SCRIPT, *args, "--init-from", plain, "--checkpoint-dir", tmp_path / "a").ok()
+    b = run(SCRIPT, *args, "--init-from", wrapped, "--checkpoint-dir", tmp_path / "b").ok()
+    assert f"initial weights from {plain}\n" in a.stdout
+    assert (f'initial weights from {wrapped} (stripped the "module." prefix of a DDP-wrapped '
+            f'save)') in b.stdout
+    assert final_state(a.stdout) == final_state(b.stdout)
+    c = run(SCRIPT, *args, "--checkpoint-dir", tmp_path / "c").ok()
+    assert final_state(c.stdout) != final_state(a.stdout)  # the weights were really used
+
+
+def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
+    run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
+        launcher="spawn", nproc=2).failed()
+    # Left: step 12, mid-epoch 0 with 384 of 512 samples done by two ranks. Go on with three:
+    # 128 samples left, dealt 43 per rank with one padding repeat.
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="spawn", nproc=3).ok()
+    assert "world size changed (2 -> 3): random streams reseeded" in r.stdout
+    assert "epoch 0 with 384 of its 512 samples done, global step 12" in r.stdout
+    assert "step   15  loss" in r.stdout and "(end of epoch 0)" in r.stdout  # 3 steps of 16
+    assert "verified: every epoch used each of the 512 samples once" in r.stdout
+
+
+def test_a_checkpoint_from_other_settings_is_refused(tmp_path, reference):
+    _, finished = reference(1)
+    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
+    r = run(SCRIPT, *SMALL[:2], "--batch-size", 8, *SMALL[4:], "--checkpoint-dir",
+            tmp_path).failed()
+    assert (f"error: {tmp_path}/step-00000064.pt was written with different settings "
+            f"(--batch-size 16 there, 8 here); resume with the same values or use another "
+            f"--checkpoint-dir") in r.stderr
+
+
+def test_an_unwritable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", blocker / "ckpt", launcher="spawn",
+            nproc=2).failed()
+    assert re.search(rf"\[rank [01]\] error: checkpoint directory {blocker}/ckpt is not "
+                     rf"writable: \[Errno 20\] Not a directory", r.stderr)
+    assert "step " not in r.stdout
+
+
+def test_bad_arguments_are_usage_errors(capsys):
+    module = load_script(SCRIPT)
+    for argv, message in [(["--save-every", "0"], "must be >= 1, got 0"),
+                          (["--keep", "-1"], "must be >= 1, got -1"),
+                          (["--init-from", "/no/such/file"], "--init-from /no/such/file: no "
+                                                              "such file")]:
+        with pytest.raises(SystemExit) as e:
+            module.parse_args(argv)
+        assert e.value.code == 2
+        assert message in capsys.readouterr().err
+    if not torch.cuda.is_available():
+        with pytest.raises(SystemExit):
+            module.parse_args(["--amp", "fp16"])
+        assert "--amp fp16 needs CUDA" in capsys.readouterr().err
