@@ -255,14 +255,14 @@ def teardown() -> None:
 # Models, and a Joinable of our own.
 # ---------------------------------------------------------------------------
 
-class CenteredAcrossRanks(nn.Module):
-    """Subtracts the global batch mean, found with an all_reduce in forward (as SyncBatchNorm
-    does on GPUs): a collective that DDP's join does not know how to shadow."""
+class ScaledByGlobalMean(nn.Module):
+    """Divides by the mean of the global batch, found with an all_reduce in forward (as
+    SyncBatchNorm does on GPUs): a collective that DDP's join does not know how to shadow."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         stats = torch.stack([x.detach().sum(), torch.tensor(float(x.numel()), device=x.device)])
         dist.all_reduce(stats)
-        return x - stats[0] / stats[1]
+        return x / (stats[0] / stats[1])
 
 
 class SampleCounter(Joinable):
@@ -305,18 +305,23 @@ class CounterJoinHook(JoinHook):
 # Training with uneven inputs.
 # ---------------------------------------------------------------------------
 
-def expected_gradient(step: int, counts: list[int], batch: int, divide_by_initial: bool) -> float:
+def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) -> float:
     """d/dw of sum(w * x) over the ranks still active at this step, as DDP averages it."""
+    batch = args.batch_size
+    if args.mode == "throw":
+        # Every rank is active (the run stops at the shortest) and x is divided by the
+        # global mean m = mean(r + 1): (1/W) * sum over r of batch * (r + 1) / m = batch.
+        return float(batch)
     active = [r for r, n in enumerate(counts) if n > step]
     total = sum(batch * (r + 1) for r in active)
-    return total / (len(counts) if divide_by_initial else len(active))
+    return total / (len(counts) if args.divide_by_initial else len(active))
 
 
 def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
     torch.manual_seed(args.seed)
     layers = [nn.Linear(1, 1, bias=False)]
     if args.mode == "throw":
-        layers.insert(0, CenteredAcrossRanks())
+        layers.insert(0, ScaledByGlobalMean())
     model = DDP(nn.Sequential(*layers).to(d.device),
                 device_ids=[d.local_rank] if d.device.type == "cuda" else None)
     linear = model.module[-1]
@@ -329,8 +334,8 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
     def one_step(x: torch.Tensor) -> None:
         nonlocal steps, grads_checked
         model(x).sum().backward()
-        if args.mode in ("join", "join-counter"):
-            want = expected_gradient(steps, counts, args.batch_size, args.divide_by_initial)
+        if args.mode != "no-join":
+            want = expected_gradient(steps, counts, args)
             got = linear.weight.grad.item()
             check(math.isclose(got, want, rel_tol=1e-6), "closed-form gradient",
                   f"step {steps}: gradient {got} but the formula gives {want}")
@@ -351,7 +356,7 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
             for x in inputs:
                 one_step(x)
     elif args.mode == "throw":
-        # Joined ranks can shadow DDP's all-reduces but not CenteredAcrossRanks's; so when
+        # Joined ranks can shadow DDP's all-reduces but not ScaledByGlobalMean's; so when
         # one rank runs out, every rank raises and all stop at the shortest length.
         try:
             with model.join(throw_on_early_termination=True):
@@ -387,19 +392,18 @@ def main(args: argparse.Namespace) -> None:
     weights = [r["weight"] for r in everyone]
     check(len(set(weights)) == 1, "identical replicas", f"final weights differ: {weights}")
     notes = [f"{d.world_size} rank(s) hold identical weights ({weights[0]:.6f})"]
+    w = initial_weight(args)
+    for step in range(min(counts) if args.mode == "throw" else max(counts)):
+        w -= args.lr * expected_gradient(step, counts, args)
+    check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight",
+          f"final weight {weights[0]} but the formula gives {w}")
+    checked = sum(r["grads_checked"] for r in everyone)
+    notes.append(f"{checked} gradients and the final weight match the closed form")
     if args.mode == "throw":
         steps = [r["steps"] for r in everyone]
         check(steps == [min(counts)] * d.world_size, "stop at the shortest",
               f"steps per rank {steps}, expected {min(counts)} on every rank")
         notes.append(f"all ranks stopped after {min(counts)} step(s)")
-    else:
-        w = initial_weight(args)
-        for step in range(max(counts)):
-            w -= args.lr * expected_gradient(step, counts, args.batch_size, args.divide_by_initial)
-        check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight",
-              f"final weight {weights[0]} but the formula gives {w}")
-        checked = sum(r["grads_checked"] for r in everyone)
-        notes.append(f"{checked} gradients and the final weight match the closed form")
     if args.mode == "join-counter":
         totals = {r["counter"] for r in everyone}
         expected = sum(counts) * args.batch_size

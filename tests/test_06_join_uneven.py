@@ -50,6 +50,11 @@ def test_throw_stops_every_rank_at_the_shortest_length():
     assert "rank 0 caught: Detected at least one rank that exhausted inputs." in r.stdout
     assert "steps per rank: 0: 2, 1: 2, 2: 2" in r.stdout
     assert r.stdout.strip().endswith("all ranks stopped after 2 step(s)")
+    # Inputs divided by their global mean: each of the 2 steps has gradient batch = 2.
+    torch.manual_seed(0)
+    w = torch.nn.Linear(1, 1, bias=False).weight.item()
+    assert weight(r.stdout) == pytest.approx(w - 2 * 0.01 * 2, abs=2e-6)
+    assert "6 gradients and the final weight match the closed form" in r.stdout
 
 
 def test_without_join_uneven_inputs_fail_clearly_within_the_timeout():
