@@ -3,7 +3,8 @@
 Rank 0 writes each checkpoint atomically (temporary file, fsync, rename) with a sha256 file
 beside it. At start every rank loads the newest checkpoint that verifies, before wrapping the
 model in DDP, and carries on at the same epoch and step with the same data order and random
-state: an interrupted run ends with the same weights, bit for bit, as an uninterrupted one.
+state: an interrupted run ends with the same weights as an uninterrupted one, bit for bit
+with 1 or 2 processes (with 3 or more, DDP's first backward rounds differently: README).
 Under torchrun --max-restarts, one dead worker takes its group down, torchrun starts every
 worker again, and they resume from the last checkpoint on their own.
 
