@@ -486,11 +486,16 @@ def save_checkpoint(model: DDP, optimizer, scheduler, scaler, progress: Progress
     # The other ranks wait here until rank 0 has written the file (the barrier of the usual
     # recipe) and learn whether it worked: a failed save stops every rank, not just rank 0,
     # and no rank runs ahead and dies on a step whose checkpoint is not yet on disk.
+    share_rank0_outcome(error)
+    return path
+
+
+def share_rank0_outcome(error: str | None) -> None:
+    """A collective: every rank raises rank 0's error, or none does."""
     outcome = [error]
     dist.broadcast_object_list(outcome, src=0)
     if outcome[0]:
         raise SetupError(outcome[0])
-    return path
 
 
 def prepare_directory(args: argparse.Namespace, d: Dist) -> None:
@@ -506,10 +511,7 @@ def prepare_directory(args: argparse.Namespace, d: Dist) -> None:
             (directory / ".write-test").unlink()
         except OSError as e:
             error = f"checkpoint directory {directory} is not writable: {e}"
-    outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise SetupError(outcome[0])
+    share_rank0_outcome(error)
 
 
 def resume(model: nn.Module, optimizer, scheduler, scaler, args, d: Dist, say):
