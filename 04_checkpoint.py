@@ -702,11 +702,13 @@ def main(args: argparse.Namespace) -> None:
 
     dataset = SyntheticPatterns(args.train_size, args.seed)
     sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
-    # iter(loader) draws a seed from the loader's generator. Left to the global RNG, that draw
-    # would happen once more in a resumed run than in the uninterrupted one, and shift every
-    # random number after it (dropout here, augmentations in real jobs).
+    # iter(loader) draws a base seed for its workers from the loader's generator. Left to the
+    # global RNG, that draw would happen once more in a resumed run than in the uninterrupted
+    # one and shift every random number after it (dropout here). Random augmentation inside
+    # workers is not in the checkpoint: make it a function of (seed, epoch, index), as 03 does.
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        num_workers=args.workers, generator=torch.Generator().manual_seed(0),
+                        num_workers=args.workers,
+                        generator=torch.Generator().manual_seed(args.seed + d.rank),
                         pin_memory=d.device.type == "cuda")
     if progress.epoch >= args.epochs:
         say(f"nothing to do: the checkpoint is at the end of epoch {progress.epoch - 1} "

@@ -96,7 +96,13 @@ TINY = ["--arch", "resnet18", "--image-size", "16", "--train-size", "64", "--val
 
 
 def test_bf16_autocast_on_cpu_trains_and_replicas_match():
-    r = run(SCRIPT, *TINY, "--amp", "bf16", launcher="torchrun", nproc=2).ok()
+    # This tests the script's bf16 path, not oneDNN's kernels. On the 2-core x86 VM we run
+    # on, oneDNN's AVX-512/AMX bf16 kernels give different gradients for the same batch
+    # from call to call (resnet18 at 16 px, 40 backwards: up to 0.07 apart by default,
+    # 9e20 with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; once a suite run ended with a loss
+    # that was not a number). With AVX2 the 40 are identical.
+    r = run(SCRIPT, *TINY, "--amp", "bf16", launcher="torchrun", nproc=2,
+            env={"ONEDNN_MAX_CPU_ISA": "AVX2"}).ok()
     assert re.search(r"summary: 2 steps, .* train loss [\d.]+ -> [\d.]+", r.stdout)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
