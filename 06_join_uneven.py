@@ -148,7 +148,7 @@ def run_rank(main, args: argparse.Namespace) -> None:
         print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
         code = 1
     except (SetupError, dist.DistError, RuntimeError, ValueError, OSError) as e:
-        print(f"[rank {rank}] error: {e}", file=sys.stderr)
+        print(f"[rank {rank}] error: {describe_error(e)}", file=sys.stderr)
         code = 1
     finally:
         teardown()
@@ -159,6 +159,15 @@ def run_rank(main, args: argparse.Namespace) -> None:
     # collective's tensors while Python finalizes aborts the process with "terminate called
     # without an active exception" (pytorch/pytorch#190489). Everything is written by now.
     os._exit(code)
+
+
+def describe_error(e: BaseException) -> str:
+    text = str(e)
+    lost = re.search(r"Connection reset by peer|Connection closed by peer|Broken pipe", text)
+    if lost:  # what a surviving rank sees when another process dies in the middle of a job
+        return (f"a peer process is gone (crashed or killed), so this collective cannot "
+                f"finish; that process's own output says why ({text[:lost.end()]})")
+    return text
 
 
 @dataclass

@@ -218,3 +218,16 @@ def test_bad_arguments_are_usage_errors(capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--amp", "fp16"])
         assert "--amp fp16 needs CUDA" in capsys.readouterr().err
+
+
+def test_a_lost_peer_is_named_as_such():
+    module = load_script(SCRIPT)
+    gloo = RuntimeError("[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:545] Read error "
+                        "[127.0.0.1]:50922: Connection reset by peer. This is typically caused "
+                        "by a remote worker hanging or bugs in the application. GLHF!")
+    assert module.describe_error(gloo) == (
+        "a peer process is gone (crashed or killed), so this collective cannot finish; that "
+        "process's own output says why ([/pytorch/third_party/gloo/gloo/transport/tcp/"
+        "pair.cc:545] Read error [127.0.0.1]:50922: Connection reset by peer)")
+    assert module.describe_error(ValueError("--batch-size must be >= 1")) == \
+        "--batch-size must be >= 1"
