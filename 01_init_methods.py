@@ -212,15 +212,15 @@ def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
     local_rank = int(os.environ.get("LOCAL_RANK", rank))
     local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
     backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    kwargs = dict(init_method=init_method)
-    if not init_method.startswith("env://"):
-        # tcp:// and file:// name only the meeting point: each process must also say
-        # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
-        kwargs.update(rank=rank, world_size=world_size)
     try:
-        if init_method.startswith("env://") and \
-                os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        if not init_method.startswith("env://"):
+            # tcp:// and file:// name only the meeting point: each process must also say
+            # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
+            kwargs = dict(init_method=init_method, rank=rank, world_size=world_size)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
             kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world_size)
+        else:
+            kwargs = dict(init_method=init_method)
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
     except (dist.DistError, RuntimeError) as e:
         raise SetupError(explain_init_failure(str(e), init_method, world_size, timeout)) from e
