@@ -475,7 +475,7 @@ def save_checkpoint(model: DDP, optimizer, scheduler, scaler, progress: Progress
     """Called by every rank: random states and coverage are gathered, then rank 0 writes."""
     rngs = [None] * d.world_size
     dist.all_gather_object(rngs, rng_state(d.device))  # each rank's own streams (dropout...)
-    seen_so_far = seen.clone()
+    seen_so_far = seen.to(d.device, copy=True)  # NCCL reduces GPU tensors; counts live on CPU
     dist.all_reduce(seen_so_far)
     error, path = None, checkpoint_path(args.checkpoint_dir, progress.global_step)
     if d.is_main:
@@ -573,7 +573,7 @@ def resume(model: nn.Module, optimizer, scheduler, scaler, args, d: Dist, say):
         say(f"world size changed ({state['world_size']} -> {d.world_size}): random streams "
             f"reseeded; weights, optimizer and data position carry on exactly")
     if d.is_main:
-        seen = state["seen"].to(torch.int64)  # rank 0 carries the epoch's coverage so far
+        seen = state["seen"].to("cpu", torch.int64)  # rank 0 carries the epoch's coverage
     say(f"resuming from {path}: epoch {progress.epoch} with {progress.position} of its "
         f"{args.train_size} samples done, global step {progress.global_step}"
         + (' (stripped the "module." prefix)' if stripped else ""))
@@ -641,8 +641,9 @@ def train(model: DDP, loader, sampler: ResumableSampler, optimizer, scheduler, s
 def check_coverage(seen: torch.Tensor, sampler: ResumableSampler, epoch: int, d: Dist) -> None:
     """Every sample trained on once this epoch, across ranks and across any resume; only the
     sampler's padding repeats a few."""
-    total = seen.clone()
+    total = seen.to(d.device, copy=True)
     dist.all_reduce(total)
+    total = total.cpu()
     n = len(total)
     check(int(total.min()) >= 1 and int(total.sum()) == n + sampler.padding,
           "each sample once per epoch",
