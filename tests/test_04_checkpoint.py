@@ -22,6 +22,12 @@ SMALL = ("--train-size", 512, "--batch-size", 16, "--epochs", 2, "--save-every",
          "--timeout", 60)
 
 
+def write_sidecar(path) -> None:
+    """What the script writes beside a checkpoint: its sha256, in sha256sum's format."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    path.with_name(path.name + ".sha256").write_text(f"{digest}  {path.name}\n")
+
+
 def final_state(stdout: str) -> str:
     return re.search(r"final state sha256 ([0-9a-f]{16})", stdout)[1]
 
@@ -123,8 +129,7 @@ def test_a_directory_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     (tmp_path / "step-00000020.pt").write_bytes(b"a save that never finished")
     foreign = tmp_path / "step-00000030.pt"
     torch.save({"weights": torch.zeros(3)}, foreign)
-    digest = hashlib.sha256(foreign.read_bytes()).hexdigest()
-    (tmp_path / "step-00000030.pt.sha256").write_text(f"{digest}  step-00000030.pt\n")
+    write_sidecar(foreign)
     r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="spawn", nproc=2).failed()
     reasons = ("step-00000030.pt: not a checkpoint of this script (no args, epoch, "
                "global_step, model, optimizer, position, rng, scheduler, seen, world_size); "
@@ -147,8 +152,7 @@ def test_a_checkpoint_with_module_prefixed_keys_resumes_exactly(tmp_path, refere
     state = torch.load(path, weights_only=True)
     state["model"] = {f"module.{k}": v for k, v in state["model"].items()}  # as DDP saves it
     torch.save(state, path)
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    (tmp_path / "step-00000060.pt.sha256").write_text(f"{digest}  {path.name}\n")
+    write_sidecar(path)
     r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
     assert 'global step 60 (stripped the "module." prefix)' in r.stdout
     assert final_state(r.stdout) == expected
