@@ -29,6 +29,7 @@ fewer batches would stop calling the gradient all-reduce and the others would wa
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import json
 import math
@@ -36,6 +37,7 @@ import os
 import re
 import socket
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,225 +47,15 @@ import torch.multiprocessing as mp
 from torch.utils.data import DataLoader, Dataset, get_worker_info
 from torch.utils.data.distributed import DistributedSampler
 
-# ---------------------------------------------------------------------------
-# Distributed boilerplate: the same code, in the same order, in all six scripts.
-# ---------------------------------------------------------------------------
-
-# torch.amp.GradScaler("cuda"), torchvision's get_model/list_models and
-# torch.load(weights_only=True) of optimizer state are all there from 2.4 on.
-MIN_TORCH = "2.4"
-
-
-class SetupError(RuntimeError):
-    """The job cannot start as configured; the message says what to change."""
+# The plumbing used below is defined at the bottom of this file, the same in all six
+# scripts: setup() binds this process to its device, joins the process group and returns a
+# Dist (rank, local_rank, world_size, device, is_main); check(ok, name, detail) raises
+# CheckFailed, SetupError reports a job that cannot run as configured, and both end the rank
+# with one line; launch(main, args) runs main on every rank (torchrun, --spawn N, or one
+# process); add_launch_args adds --spawn, --backend and --timeout.
 
 
-class CheckFailed(RuntimeError):
-    """A property this script demonstrates did not hold."""
-
-
-def check(ok: bool, name: str, detail: str) -> None:
-    if not ok:
-        raise CheckFailed(f"{name}: {detail}")
-
-
-def require_torch(minimum: str = MIN_TORCH) -> None:
-    if torch.__version__ < minimum:  # TorchVersion compares as a version, not as text
-        sys.exit(f"error: these scripts need torch >= {minimum}, found {torch.__version__}")
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch")
-    g.add_argument("--spawn", nargs="?", type=positive_int, const=0, default=None, metavar="N",
-                   help="start N processes with torch.multiprocessing.spawn "
-                        "(default N: one per visible GPU, else 2)")
-    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: NCCL when this process has a CUDA GPU, else Gloo (default: auto)")
-    g.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
-                   help="give up on a missing peer or a stuck collective after this long "
-                        "(default: 300)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.backend == "nccl" and not torch.cuda.is_available():
-        parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(main, args: argparse.Namespace) -> None:
-    """Run main(args) on every rank: under torchrun, under mp.spawn, or as one process."""
-    if args.spawn is not None:
-        nprocs = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-        port = free_port()  # chosen here, so every child meets at the same place
-        try:
-            mp.spawn(_spawned, args=(main, args, nprocs, port), nprocs=nprocs, join=True)
-        except mp.ProcessExitedException as e:  # the child already printed its reason
-            sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-        return
-    if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    run_rank(main, args)
-
-
-def _spawned(local_rank: int, main, args: argparse.Namespace, nprocs: int, port: int) -> None:
-    # mp.spawn passes the process index first; give it the variables torchrun would set.
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                      WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run_rank(main, args)
-
-
-def run_rank(main, args: argparse.Namespace) -> None:
-    """Call main(args); on any failure print one line naming this rank and exit 1."""
-    rank, code = os.environ.get("RANK", "?"), 0
-    try:
-        main(args)
-    except CheckFailed as e:
-        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
-        code = 1
-    except (SetupError, dist.DistError, RuntimeError, ValueError, OSError) as e:
-        print(f"[rank {rank}] error: {describe_error(e)}", file=sys.stderr)
-        code = 1
-    finally:
-        teardown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Exit without the interpreter's shutdown. DDP keeps its process group, and so Gloo's
-    # worker threads, alive after destroy_process_group; a worker still releasing the last
-    # collective's tensors while Python finalizes aborts the process with "terminate called
-    # without an active exception" (pytorch/pytorch#190489). Everything is written by now.
-    os._exit(code)
-
-
-def describe_error(e: BaseException) -> str:
-    text = str(e)
-    lost = re.search(r"Connection reset by peer|Connection closed by peer|Broken pipe", text)
-    if lost:  # what a surviving rank sees when another process dies in the middle of a job
-        return (f"a peer process is gone (crashed or killed), so this collective cannot "
-                f"finish; that process's own output says why ({text[:lost.end()]})")
-    return text
-
-
-@dataclass
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    backend: str
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def pick_backend_and_device(backend: str, local_rank: int, local_world_size: int):
-    has_cuda = torch.cuda.is_available()
-    if backend == "auto":
-        backend = "nccl" if has_cuda else "gloo"
-    if backend == "gloo":
-        # Gloo here means CPU tensors; spread the cores over the local processes.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // local_world_size))
-        return "gloo", torch.device("cpu")
-    gpus = torch.cuda.device_count()
-    if local_world_size > gpus:
-        raise SetupError(f"{local_world_size} processes on this node but only {gpus} GPU(s): "
-                         f"start at most {gpus} per node (one process per GPU)")
-    # Bind this process to its GPU before init_process_group, by LOCAL rank: GPU ids
-    # restart at 0 on every node, so the global rank would point past the last GPU.
-    if hasattr(torch, "accelerator"):
-        torch.accelerator.set_device_index(local_rank)
-    else:
-        torch.cuda.set_device(local_rank)
-    return "nccl", torch.device("cuda", local_rank)
-
-
-def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    try:
-        if not init_method.startswith("env://"):
-            # tcp:// and file:// name only the meeting point: each process must also say
-            # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
-            kwargs = dict(init_method=init_method, rank=rank, world_size=world_size)
-        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
-            kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world_size)
-        else:
-            kwargs = dict(init_method=init_method)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    except (dist.DistError, RuntimeError) as e:
-        raise SetupError(explain_init_failure(str(e), init_method, world_size, timeout)) from e
-    return Dist(rank, local_rank, world_size, local_world_size,
-                int(os.environ.get("GROUP_RANK", 0)), backend, device)
-
-
-def torchrun_attempt_store(timeout: float):
-    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
-
-    The agent keeps one store for all the restarts that --max-restarts allows. Without a
-    scope, a restarted group can read the addresses the previous, dead group left there and
-    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt_{attempt}/", store)
-
-
-def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
-    where = init_method if not init_method.startswith("env://") else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    if "EADDRINUSE" in message or "address already in use" in message:
-        return f"the rendezvous port is already in use ({where}); choose another port"
-    joined = re.search(r"(\d+)/(\d+) clients joined", message)
-    if joined:
-        return (f"only {joined[1]} of {joined[2]} ranks joined within {timeout:g}s ({where}); "
-                f"start the missing ranks or lower the world size")
-    if "timeout" in message.lower() or "timed out" in message.lower():
-        return (f"not all {world_size} ranks joined within {timeout:g}s ({where}); "
-                f"start the missing ranks or lower the world size")
-    return f"init_process_group failed ({where}): {message}"
-
-
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------
-# The dataset and the loader.
-# ---------------------------------------------------------------------------
+# ---- The dataset and the loader ----------------------------------------------------------
 
 class IndexDataset(Dataset):
     """Item i is (i, the loader worker that built it, one random 'augmentation' draw)."""
@@ -317,9 +109,7 @@ def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
     return epochs
 
 
-# ---------------------------------------------------------------------------
-# What rank 0 shows, and what every rank checks.
-# ---------------------------------------------------------------------------
+# ---- What rank 0 shows, and what every rank checks ---------------------------------------
 
 def interleave(shards: list[list[int]]) -> list[int]:
     """The epoch's padded order as the sampler built it: position r + j*W is rank r's j-th."""
@@ -431,7 +221,7 @@ def main(args: argparse.Namespace) -> None:
                      for r in range(w)}
     if d.is_main:
         if args.dump_indices:
-            Path(args.dump_indices).write_text(json.dumps(dump))
+            write_atomic(args.dump_indices, json.dumps(dump).encode())
         if repeats:
             print(f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
                   f"shards would count those samples again (05_eval_gather.py counts each once)")
@@ -444,26 +234,256 @@ def main(args: argparse.Namespace) -> None:
               + f"; {draws_note}", flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    parser.add_argument("--dataset-size", type=positive_int, default=10)
-    parser.add_argument("--batch-size", type=positive_int, default=2)
-    parser.add_argument("--epochs", type=positive_int, default=2)
-    parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--drop-last", action="store_true")
-    parser.add_argument("--num-workers", type=nonnegative_int, default=0)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dataset-size", type=positive_int, default=10, metavar="N",
+                        help="samples in the dataset; item i is i (default: %(default)s)")
+    parser.add_argument("--batch-size", type=positive_int, default=2,
+                        help="samples per batch on each rank (default: %(default)s)")
+    parser.add_argument("--epochs", type=positive_int, default=2,
+                        help="epochs to sample (default: %(default)s)")
+    parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
+                        help="a new random order each epoch (set_epoch) or index order")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the sampler's seed, the same on every rank (default: %(default)s)")
+    parser.add_argument("--drop-last", action="store_true",
+                        help="cut the tail to a multiple of the world size instead of padding")
+    parser.add_argument("--num-workers", type=nonnegative_int, default=0,
+                        help="DataLoader worker processes per rank (default: %(default)s)")
     parser.add_argument("--forget-set-epoch", action="store_true",
-                        help="skip sampler.set_epoch(epoch): the classic bug")
-    parser.add_argument("--dump-indices", metavar="PATH",
+                        help="skip sampler.set_epoch(epoch): the classic bug, shown")
+    parser.add_argument("--dump-indices", type=output_file, metavar="PATH",
                         help="rank 0 writes every rank's indices per epoch as JSON")
     add_launch_args(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
     return args
 
 
+# ==== shared plumbing: begin ===============================================================
+# Identical in all six scripts (tests/test_repo.py keeps the copies equal and under 220
+# lines). Read it once, in any of them: launch() runs main on every rank, setup() joins the
+# process group, run_rank() turns failures into one line per rank.
+
+class SetupError(RuntimeError):
+    """The job cannot run as configured; the message says what to change."""
+
+
+class CheckFailed(RuntimeError):
+    """A property this script demonstrates did not hold."""
+
+
+def check(ok: bool, name: str, detail: str) -> None:
+    if not ok:
+        raise CheckFailed(f"{name}: {detail}")
+
+
+def bounded(cast, test, rule: str):
+    """An argparse type: cast the text, refuse values outside the rule."""
+    def parse(text: str):
+        value = cast(text)
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    parse.__name__ = cast.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
+positive_int = bounded(int, lambda v: v >= 1, ">= 1")
+nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
+positive_float = bounded(float, lambda v: v > 0, "> 0")
+
+
+def output_file(text: str) -> Path:
+    """An argparse type for a file this run writes: refused now, not after the work."""
+    path = Path(text).absolute()
+    folder = next(p for p in path.parents if p.exists())  # missing folders are created
+    if path.is_dir() or not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: " + ("it is a folder" if
+                                         path.is_dir() else f"{folder} is not a writable folder"))
+    return Path(text)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write the whole file or nothing: a temporary file, synced, then renamed over path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("launch")
+    g.add_argument("--spawn", nargs="?", type=positive_int, const=0, metavar="N",
+                   help="start N processes with torch.multiprocessing.spawn; N left out: one "
+                        "per GPU, else 2 (default: the launcher's processes, else one)")
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: NCCL when a CUDA GPU is visible, else Gloo (default: auto)")
+    g.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="give up on a missing peer or a stuck collective (default: %(default)g)")
+
+
+def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(main, args: argparse.Namespace) -> None:
+    """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
+    if torch.__version__ < "2.4":  # GradScaler("cuda"), get_model, weights_only optimizer loads
+        sys.exit(f"error: these scripts need torch >= 2.4, found {torch.__version__}")
+    if args.spawn is not None:
+        n = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+        port = free_port()  # chosen once, here, so every child meets at the same place
+        try:
+            mp.spawn(_spawned, args=(main, args, n, port), nprocs=n)
+        except mp.ProcessExitedException as e:  # the child has printed its own reason
+            sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
+        return
+    if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run_rank(main, args)
+
+
+def _spawned(index: int, main, args: argparse.Namespace, n: int, port: int) -> None:
+    # mp.spawn passes the process index first; set what torchrun would set.
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(n),
+                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_rank(main, args)
+
+
+def run_rank(main, args: argparse.Namespace) -> None:
+    """Run main(args) in this process, then end it: exit 0, or 1 with a line naming the rank."""
+    rank, code = os.environ.get("RANK", "?"), 1
+    try:
+        main(args)
+        code = 0
+    except CheckFailed as e:
+        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] interrupted", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - every failure ends in a line naming the rank
+        expected = describe_error(e)
+        if expected is None:  # a bug, most likely in code pasted in: keep its traceback
+            traceback.print_exc()
+        print(f"[rank {rank}] error: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+    if code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without the interpreter's shutdown: Gloo's worker threads outlive
+    # destroy_process_group once DDP has run, and one still releasing tensors while Python
+    # finalizes aborts the process ("terminate called without an active exception",
+    # pytorch/pytorch#190489). Everything is written by now.
+    os._exit(code)
+
+
+def describe_error(e: Exception) -> str | None:
+    """One line for an expected failure (ours, or the process group's); None for a bug."""
+    text = str(e)
+    lost = re.search(r"Connection (reset|closed) by peer|Broken pipe", text)
+    if lost:  # what a surviving rank sees when another process dies in the middle of a job
+        return (f"a peer process is gone (crashed or killed), so this collective cannot "
+                f"finish; that process's own output says why ({text[:lost.end()]})")
+    if isinstance(e, (SetupError, dist.DistError)) or "third_party/gloo" in text:
+        return text  # a usage problem, or the process group's own error (a timeout, say)
+    return None
+
+
+@dataclass
+class Dist:
+    """Who this process is in the job; setup() returns it."""
+    rank: int
+    local_rank: int  # its index on its own node: it picks the GPU
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
+    """Bind this process to its device, then join the process group."""
+    def env(name: str, default: int) -> int:
+        return int(os.environ.get(name, default))
+    rank, world = env("RANK", 0), env("WORLD_SIZE", 1)
+    local_rank, local_world = env("LOCAL_RANK", rank), env("LOCAL_WORLD_SIZE", world)
+    node_rank = env("GROUP_RANK", (rank - local_rank) // local_world)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if local_world > gpus:
+            raise SetupError(f"{local_world} processes on this node but only {gpus} GPU(s): "
+                             f"start at most {gpus} per node (one process per GPU)")
+        device = torch.device("cuda", local_rank)  # by LOCAL rank: GPU ids restart per node
+        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
+    else:  # Gloo: CPU tensors, and the cores shared among this node's processes
+        device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // local_world))
+    kwargs = dict(init_method=init_method)
+    if init_method != "env://":  # tcp:// and file:// name the meeting point only
+        kwargs.update(rank=rank, world_size=world)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
+        kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world)
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    except (dist.DistError, RuntimeError, ValueError) as e:
+        raise SetupError(explain_init_failure(str(e), init_method, world, timeout)) from e
+    return Dist(rank, local_rank, world, local_world, node_rank, backend, device)
+
+
+def torchrun_attempt_store(timeout: float):
+    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
+
+    The agent keeps one store for all the restarts that --max-restarts allows. Without a
+    scope, a restarted group can read the addresses the previous, dead group left there and
+    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/", store)
+
+
+def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
+    where = init_method if init_method != "env://" else \
+        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "EADDRINUSE" in message or "address already in use" in message:
+        return f"the rendezvous port is already in use ({where}); choose another port"
+    joined = re.search(r"(\d+)/(\d+) clients joined", message)
+    if joined or re.search(r"timeout|timed out", message, re.I):
+        count = f"only {joined[1]} of {joined[2]}" if joined else f"not all {world_size}"
+        return (f"{count} ranks joined within {timeout:g}s ({where}); start the missing "
+                f"ranks or lower the world size")
+    return f"init_process_group failed ({where}): {message}"
+# ==== shared plumbing: end =================================================================
+
+
 if __name__ == "__main__":
-    require_torch()
     launch(main, parse_args())

@@ -21,16 +21,18 @@ change the world size and want the same training, keep the global batch or scale
 from __future__ import annotations
 
 import argparse
+import atexit
 import datetime
 import hashlib
 import inspect
+import io
 import math
 import os
-import random
 import re
 import socket
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -45,232 +47,19 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
-# ---------------------------------------------------------------------------
-# Distributed boilerplate: the same code, in the same order, in all six scripts.
-# ---------------------------------------------------------------------------
-
-# torch.amp.GradScaler("cuda"), torchvision's get_model/list_models and
-# torch.load(weights_only=True) of optimizer state are all there from 2.4 on.
-MIN_TORCH = "2.4"
-
-
-class SetupError(RuntimeError):
-    """The job cannot start as configured; the message says what to change."""
+# The plumbing used below is defined at the bottom of this file, the same in all six
+# scripts: setup() binds this process to its device, joins the process group and returns a
+# Dist (rank, local_rank, world_size, device, is_main); check(ok, name, detail) raises
+# CheckFailed, SetupError reports a job that cannot run as configured, and both end the rank
+# with one line; launch(main, args) runs main on every rank (torchrun, --spawn N, or one
+# process); add_launch_args adds --spawn, --backend and --timeout.
 
 
-class CheckFailed(RuntimeError):
-    """A property this script demonstrates did not hold."""
-
-
-def check(ok: bool, name: str, detail: str) -> None:
-    if not ok:
-        raise CheckFailed(f"{name}: {detail}")
-
-
-def require_torch(minimum: str = MIN_TORCH) -> None:
-    if torch.__version__ < minimum:  # TorchVersion compares as a version, not as text
-        sys.exit(f"error: these scripts need torch >= {minimum}, found {torch.__version__}")
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch")
-    g.add_argument("--spawn", nargs="?", type=positive_int, const=0, default=None, metavar="N",
-                   help="start N processes with torch.multiprocessing.spawn "
-                        "(default N: one per visible GPU, else 2)")
-    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                   help="auto: NCCL when this process has a CUDA GPU, else Gloo (default: auto)")
-    g.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
-                   help="give up on a missing peer or a stuck collective after this long "
-                        "(default: 300)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if args.backend == "nccl" and not torch.cuda.is_available():
-        parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
-
-
-def positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def nonnegative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
-    return value
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(main, args: argparse.Namespace) -> None:
-    """Run main(args) on every rank: under torchrun, under mp.spawn, or as one process."""
-    if args.spawn is not None:
-        nprocs = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-        port = free_port()  # chosen here, so every child meets at the same place
-        try:
-            mp.spawn(_spawned, args=(main, args, nprocs, port), nprocs=nprocs, join=True)
-        except mp.ProcessExitedException as e:  # the child already printed its reason
-            sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-        return
-    if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
-    run_rank(main, args)
-
-
-def _spawned(local_rank: int, main, args: argparse.Namespace, nprocs: int, port: int) -> None:
-    # mp.spawn passes the process index first; give it the variables torchrun would set.
-    os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank),
-                      WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    run_rank(main, args)
-
-
-def run_rank(main, args: argparse.Namespace) -> None:
-    """Call main(args); on any failure print one line naming this rank and exit 1."""
-    rank, code = os.environ.get("RANK", "?"), 0
-    try:
-        main(args)
-    except CheckFailed as e:
-        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
-        code = 1
-    except (SetupError, dist.DistError, RuntimeError, ValueError, OSError) as e:
-        print(f"[rank {rank}] error: {describe_error(e)}", file=sys.stderr)
-        code = 1
-    finally:
-        teardown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Exit without the interpreter's shutdown. DDP keeps its process group, and so Gloo's
-    # worker threads, alive after destroy_process_group; a worker still releasing the last
-    # collective's tensors while Python finalizes aborts the process with "terminate called
-    # without an active exception" (pytorch/pytorch#190489). Everything is written by now.
-    os._exit(code)
-
-
-def describe_error(e: BaseException) -> str:
-    text = str(e)
-    lost = re.search(r"Connection reset by peer|Connection closed by peer|Broken pipe", text)
-    if lost:  # what a surviving rank sees when another process dies in the middle of a job
-        return (f"a peer process is gone (crashed or killed), so this collective cannot "
-                f"finish; that process's own output says why ({text[:lost.end()]})")
-    return text
-
-
-@dataclass
-class Dist:
-    rank: int
-    local_rank: int
-    world_size: int
-    local_world_size: int
-    node_rank: int
-    backend: str
-    device: torch.device
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
-
-def pick_backend_and_device(backend: str, local_rank: int, local_world_size: int):
-    has_cuda = torch.cuda.is_available()
-    if backend == "auto":
-        backend = "nccl" if has_cuda else "gloo"
-    if backend == "gloo":
-        # Gloo here means CPU tensors; spread the cores over the local processes.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-        torch.set_num_threads(max(1, (cores or 1) // local_world_size))
-        return "gloo", torch.device("cpu")
-    gpus = torch.cuda.device_count()
-    if local_world_size > gpus:
-        raise SetupError(f"{local_world_size} processes on this node but only {gpus} GPU(s): "
-                         f"start at most {gpus} per node (one process per GPU)")
-    # Bind this process to its GPU before init_process_group, by LOCAL rank: GPU ids
-    # restart at 0 on every node, so the global rank would point past the last GPU.
-    if hasattr(torch, "accelerator"):
-        torch.accelerator.set_device_index(local_rank)
-    else:
-        torch.cuda.set_device(local_rank)
-    return "nccl", torch.device("cuda", local_rank)
-
-
-def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
-    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank = int(os.environ.get("LOCAL_RANK", rank))
-    local_world_size = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
-    backend, device = pick_backend_and_device(backend, local_rank, local_world_size)
-    try:
-        if not init_method.startswith("env://"):
-            # tcp:// and file:// name only the meeting point: each process must also say
-            # who it is and how many to wait for. env:// reads both from RANK and WORLD_SIZE.
-            kwargs = dict(init_method=init_method, rank=rank, world_size=world_size)
-        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
-            kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world_size)
-        else:
-            kwargs = dict(init_method=init_method)
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    except (dist.DistError, RuntimeError) as e:
-        raise SetupError(explain_init_failure(str(e), init_method, world_size, timeout)) from e
-    return Dist(rank, local_rank, world_size, local_world_size,
-                int(os.environ.get("GROUP_RANK", 0)), backend, device)
-
-
-def torchrun_attempt_store(timeout: float):
-    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
-
-    The agent keeps one store for all the restarts that --max-restarts allows. Without a
-    scope, a restarted group can read the addresses the previous, dead group left there and
-    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt_{attempt}/", store)
-
-
-def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
-    where = init_method if not init_method.startswith("env://") else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    if "EADDRINUSE" in message or "address already in use" in message:
-        return f"the rendezvous port is already in use ({where}); choose another port"
-    joined = re.search(r"(\d+)/(\d+) clients joined", message)
-    if joined:
-        return (f"only {joined[1]} of {joined[2]} ranks joined within {timeout:g}s ({where}); "
-                f"start the missing ranks or lower the world size")
-    if "timeout" in message.lower() or "timed out" in message.lower():
-        return (f"not all {world_size} ranks joined within {timeout:g}s ({where}); "
-                f"start the missing ranks or lower the world size")
-    return f"init_process_group failed ({where}): {message}"
-
-
-def teardown() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.destroy_process_group()
-
-
-# ---------------------------------------------------------------------------
-# Data: a synthetic set that needs no download, ImageFolder, or CIFAR-10.
-# ---------------------------------------------------------------------------
+# ---- Data: synthetic images that need no download, or your own ImageFolder tree ----------
 
 class SyntheticImages(Dataset):
-    """Images that are learnable and deterministic from the seed, built in memory.
-
-    Class c is a fixed random 8x8 colour pattern, upsampled; every image is its class's
-    pattern plus Gaussian noise. Training images are also shifted and flipped at random.
-    """
+    """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
+    plus noise. Nothing random at load time, so N processes see exactly what one would."""
 
     def __init__(self, size: int, num_classes: int, image_size: int, seed: int, train: bool):
         patterns = torch.randn(num_classes, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
@@ -279,116 +68,51 @@ class SyntheticImages(Dataset):
         self.labels = torch.randint(num_classes, (size,), generator=g)
         self.images = patterns[self.labels] + 1.5 * torch.randn(size, 3, image_size, image_size,
                                                                 generator=g)
-        self.seed, self.train, self.classes = seed, train, list(range(num_classes))
+        self.classes = list(range(num_classes))
 
     def __len__(self) -> int:
         return len(self.labels)
 
-    def __getitem__(self, item):
-        index, epoch = item if isinstance(item, tuple) else (item, None)
-        image = self.images[index]
-        if self.train and epoch is not None:
-            # The augmentation is a function of (seed, epoch, sample) alone, never of the
-            # rank, the worker or the world size: that keeps N processes equal to one.
-            rng = random.Random(f"{self.seed}/{epoch}/{index}")
-            image = torch.roll(image, (rng.randint(-3, 3), rng.randint(-3, 3)), dims=(1, 2))
-            if rng.random() < 0.5:
-                image = image.flip(2)
-        return image, int(self.labels[index])
+    def __getitem__(self, index: int):
+        return self.images[index], int(self.labels[index])
 
 
-class FolderImages(Dataset):
-    """A torchvision dataset (ImageFolder, CIFAR-10) behind the same (index, epoch) keys."""
-
-    def __init__(self, base):
-        self.base, self.classes = base, base.classes
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, item):
-        # torchvision's random transforms draw from the loader worker's RNG, which
-        # DataLoader seeds differently in every worker, epoch and rank.
-        return self.base[item[0] if isinstance(item, tuple) else item]
-
-
-class EpochSampler(DistributedSampler):
-    """DistributedSampler that hands each sample index its epoch as well."""
-
-    def __iter__(self):
-        return ((index, self.epoch) for index in super().__iter__())
-
-
-def build_datasets(args: argparse.Namespace, d: Dist):
-    if args.data:
-        from torchvision.datasets import ImageFolder
-
-        root = Path(args.data)
-        for split in ("train", "val"):
-            if not (root / split).is_dir():
-                raise SetupError(f"--data {root}: expected folders {root}/train and {root}/val "
-                                 f"(one sub-folder per class), {root / split} is missing")
-        try:
-            train = ImageFolder(root / "train", transform=image_transform(args, train=True))
-            val = ImageFolder(root / "val", transform=image_transform(args, train=False))
-        except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images
-            raise SetupError(f"--data {root}: {e}") from e
-        return FolderImages(train), FolderImages(val)
-    if args.dataset == "cifar10":
-        from torchvision.datasets import CIFAR10
-
-        if args.download:
-            # One download per node, by its local rank 0; the others wait at the barrier.
-            if d.local_rank == 0:
-                CIFAR10(args.data_root, train=True, download=True)
-                CIFAR10(args.data_root, train=False, download=True)
-            dist.barrier()
-        try:
-            train = CIFAR10(args.data_root, train=True, transform=image_transform(args, True))
-            val = CIFAR10(args.data_root, train=False, transform=image_transform(args, False))
-        except RuntimeError as e:
-            raise SetupError(f"CIFAR-10 not found under {args.data_root}: add --download") from e
-        return FolderImages(train), FolderImages(val)
-    return (SyntheticImages(args.train_size, args.num_classes, args.image_size, args.seed, True),
-            SyntheticImages(args.val_size, args.num_classes, args.image_size, args.seed, False))
-
-
-def image_transform(args: argparse.Namespace, train: bool):
+def build_datasets(args: argparse.Namespace):
+    if not args.data:
+        return tuple(SyntheticImages(size, args.num_classes, args.image_size, args.seed, train)
+                     for size, train in ((args.train_size, True), (args.val_size, False)))
     from torchvision import transforms as T
+    from torchvision.datasets import ImageFolder
 
-    normalize = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    if train:
-        return T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
-                          T.ToTensor(), normalize])
-    return T.Compose([T.Resize(round(args.image_size * 256 / 224)), T.CenterCrop(args.image_size),
-                      T.ToTensor(), normalize])
+    # Random transforms draw from each DataLoader worker's RNG, which differs per rank.
+    norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train = T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
+                       T.ToTensor(), norm])
+    val = T.Compose([T.Resize(round(args.image_size * 256 / 224)),
+                     T.CenterCrop(args.image_size), T.ToTensor(), norm])
+    try:
+        return ImageFolder(args.data / "train", train), ImageFolder(args.data / "val", val)
+    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
+        raise SetupError(f"--data {args.data}: {e}") from e
 
 
-def make_loaders(args, d: Dist, train_set, val_set):
-    workers = args.workers
+def make_loaders(args: argparse.Namespace, d: Dist, train_set, val_set):
+    workers = args.workers  # auto: on CPU the cores train; on a GPU workers prepare batches
     if workers is None:
-        # On CPU the cores are busy training (and the synthetic set is in memory); on a GPU
-        # the workers decode and augment while the GPU computes.
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        workers = 0 if d.device.type == "cpu" else min(8, max(1, cores // d.local_world_size))
-    common = dict(num_workers=workers,
-                  pin_memory=d.device.type == "cuda",  # page-locked: async copies to the GPU
-                  persistent_workers=workers > 0)      # keep workers alive across epochs
-    sampler = EpochSampler(train_set, num_replicas=d.world_size, rank=d.rank, shuffle=True,
-                           seed=args.seed)
-    train_loader = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, **common)
-    # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so every sample
-    # counts exactly once (DistributedSampler would pad; 05_eval_gather.py shows why it matters).
+        workers = 0 if d.device.type == "cpu" else min(8, os.cpu_count() // d.local_world_size)
+    common = dict(batch_size=args.batch_size, num_workers=workers,
+                  persistent_workers=workers > 0,        # keep workers alive across epochs
+                  pin_memory=d.device.type == "cuda")    # page-locked: async copies to the GPU
+    sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
+                                 shuffle=True, seed=args.seed)
+    # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
+    # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
-    val_loader = DataLoader(val_shard, batch_size=args.batch_size, **common)
-    return train_loader, sampler, val_loader
+    return DataLoader(train_set, sampler=sampler, **common), sampler, \
+        DataLoader(val_shard, **common)
 
 
-# ---------------------------------------------------------------------------
-# Model: any torchvision classifier, wrapped in DistributedDataParallel.
-# ---------------------------------------------------------------------------
-
-
+# ---- Model: any torchvision classifier, wrapped in DistributedDataParallel ---------------
 
 ARCHS = sorted(torchvision.models.list_models(module=torchvision.models))
 
@@ -404,8 +128,7 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     except TypeError as e:
         raise SetupError(f"--norm group needs an architecture with a norm_layer argument "
                          f"(resnet*, resnext*, wide_resnet*); {args.arch} has none") from e
-    if args.sync_bn:
-        # BatchNorm statistics over the global batch instead of each rank's shard.
+    if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -413,11 +136,10 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
 def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
     knobs = {}
     if args.no_broadcast_buffers:  # each rank keeps its own buffers (BN running stats)
-        # torch 2.14 renamed broadcast_buffers (the old name still works but warns)
+        # torch 2.14 renamed broadcast_buffers to forward_sync_buffers; the old name warns
         new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
         knobs["forward_sync_buffers" if new_name else "broadcast_buffers"] = False
-    return DDP(
-        model,
+    return DDP(model,
         device_ids=[d.local_rank] if d.device.type == "cuda" else None,  # CPU: None
         bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
         find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
@@ -427,83 +149,78 @@ def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
     )
 
 
-# ---------------------------------------------------------------------------
-# Training and evaluation.
-# ---------------------------------------------------------------------------
+# ---- Training and evaluation -------------------------------------------------------------
 
 @dataclass
-class Progress:
-    step: int = 0               # optimizer steps taken
-    mark: float = 0.0           # when the last step (or this epoch) started the clock
-    train_seconds: float = 0.0  # time in training steps, from the end of step 1 on
-    timed_images: int = 0       # images, all ranks, trained in that time
+class Optim:
+    """The optimizer and what steps with it: the lr schedule and, for fp16, the scaler."""
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler  # disabled (a no-op) unless --amp fp16
+    steps: int = 0                # optimizer steps taken so far
 
 
-def train_one_epoch(model: DDP, loader, optimizer, scheduler, scaler, args, d: Dist,
-                    epoch: int, steps_per_epoch: int, total_steps: int, p: Progress) -> dict:
+def clock(d: Dist) -> float:
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)  # GPU work is queued: time what has finished
+    return time.perf_counter()
+
+
+def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -> dict:
     model.train()
-    amp_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
-    epoch_sums = torch.zeros_like(sums)
-    window_start, window_images, window_steps, group_images = time.perf_counter(), 0, 0, 0
-    p.mark = time.perf_counter()
-    micro_steps = steps_per_epoch * args.accum_steps  # a partial accumulation group is dropped
+    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
+    micro_batches = len(loader) // args.accum_steps * args.accum_steps  # whole groups only
+    total_steps = micro_batches // args.accum_steps * args.epochs
+    window = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
+    epoch_sums = torch.zeros_like(window)
+    timed_images, started, logged = 0, None, opt.steps
+    window_start = clock(d)
     for i, (images, labels) in enumerate(loader):
-        if i == micro_steps or p.step == total_steps:
+        if i == micro_batches:
             break
         images = images.to(d.device, dtype=args.dtype, non_blocking=True)
         labels = labels.to(d.device, non_blocking=True)
         sync = (i + 1) % args.accum_steps == 0
-        # no_sync: the first K-1 micro-steps only accumulate gradients locally; the K-th
-        # backward all-reduces the accumulated sum once.
+        # no_sync: the first K-1 micro-batches only accumulate gradients locally; the K-th
+        # backward all-reduces the accumulated sum, once.
         with nullcontext() if sync else model.no_sync():
-            with torch.autocast(d.device.type, dtype=amp_dtype, enabled=amp_dtype is not None):
+            with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                 logits = model(images)
-                loss = F.cross_entropy(logits, labels)  # mean over this rank's batch
-            scaler.scale(loss / args.accum_steps).backward()
-        with torch.no_grad():  # running sums stay on the device: no sync with the host
-            sums[0] += loss.detach() * len(labels)
-            sums[1] += (logits.argmax(1) == labels).sum()
-            sums[2] += len(labels)
-        group_images += len(labels)
+                loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
+            opt.scaler.scale(loss / args.accum_steps).backward()
+        with torch.no_grad():  # running sums stay on the device: no wait for the GPU here
+            window[0] += loss.detach() * len(labels)
+            window[1] += (logits.argmax(1) == labels).sum()
+            window[2] += len(labels)
+        timed_images += len(labels) if started else 0
         if not sync:
             continue
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        scheduler.step()
-        p.step += 1
-        now = time.perf_counter()
-        if p.step > 1:  # step 1 pays one-off costs (allocations, DDP's bucket rebuild)
-            p.train_seconds += now - p.mark
-            p.timed_images += group_images * d.world_size
-        p.mark, window_images, window_steps = now, window_images + group_images, window_steps + 1
-        group_images = 0
-        if p.step % args.log_every == 0 or p.step == total_steps:
-            elapsed = now - window_start
-            epoch_sums += sums
-            line = log_line(sums, epoch, args.epochs, p.step, total_steps,
-                            window_images * d.world_size / elapsed, elapsed / window_steps,
-                            scheduler.get_last_lr()[0])
+        opt.scaler.step(opt.optimizer)  # optimizer.step(), skipped if fp16 overflowed
+        opt.scaler.update()
+        opt.optimizer.zero_grad(set_to_none=True)
+        opt.scheduler.step()
+        opt.steps += 1
+        if started is None:  # time from the end of step 1: it pays one-off costs
+            started = clock(d)
+        if opt.steps % args.log_every == 0 or opt.steps == total_steps:
+            epoch_sums += window
+            dist.all_reduce(window)  # every rank, at the same steps: the global batch's loss
+            now = clock(d)
+            loss_sum, correct, count = window.tolist()
+            per_step = (now - window_start) / (opt.steps - logged)
+            eta = datetime.timedelta(seconds=round((total_steps - opt.steps) * per_step))
             if d.is_main:
-                print(line, flush=True)
-            sums.zero_()
-            window_start, window_images, window_steps = time.perf_counter(), 0, 0
-    epoch_sums += sums
-    dist.all_reduce(epoch_sums)
+                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.steps:>5}/{total_steps}  "
+                      f"loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  "
+                      f"lr {opt.scheduler.get_last_lr()[0]:.4f}  "
+                      f"{count / (now - window_start):8.1f} img/s  eta {eta}", flush=True)
+            window.zero_()
+            window_start, logged = now, opt.steps
+    epoch_sums += window
+    dist.all_reduce(epoch_sums)  # the whole epoch, over every rank's batches
     loss_sum, correct, count = epoch_sums.tolist()
-    return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1)}
-
-
-def log_line(sums, epoch, epochs, step, total_steps, images_per_s, step_seconds, lr) -> str:
-    # Every rank logs at the same steps, so this all_reduce is matched on all of them.
-    window = sums.clone()
-    dist.all_reduce(window)  # summed over ranks: the loss of the whole global batch
-    loss_sum, correct, count = window.tolist()
-    eta = datetime.timedelta(seconds=round((total_steps - step) * step_seconds))
-    return (f"epoch {epoch + 1}/{epochs}  step {step:>5}/{total_steps}  "
-            f"loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  lr {lr:.4f}  "
-            f"{images_per_s:8.1f} img/s  eta {eta}")
+    return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1),
+            "images": timed_images * d.world_size, "seconds": clock(d) - started if started else 0}
 
 
 @torch.no_grad()
@@ -524,102 +241,72 @@ def evaluate(model: nn.Module, loader, d: Dist, dtype: torch.dtype) -> dict:
     return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
 
 
-# ---------------------------------------------------------------------------
-# Verification: all replicas must end identical.
-# ---------------------------------------------------------------------------
-
-def parameter_digest(model: nn.Module) -> tuple[str, int]:
-    flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
-    return hashlib.sha256(flat.numpy().tobytes()).hexdigest(), flat.numel()
-
-
 def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
-    digest, count = parameter_digest(model)
+    flat = torch.cat([p.detach().reshape(-1).cpu() for p in model.parameters()])
+    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    differing = [r for r, h in enumerate(digests) if h != digests[0]]
-    check(not differing, "identical replicas",
-          f"ranks {differing} hold parameters different from rank 0 "
-          f"({[h[:12] for h in digests]})")
+    check(len(set(digests)) == 1, "identical replicas",
+          f"ranks hold different parameters: sha256 {[h[:12] for h in digests]}")
     return (f"{d.world_size} rank(s) hold identical parameters "
-            f"({count:,} values, sha256 {digest[:16]})")
+            f"({flat.numel():,} values, sha256 {digest[:16]})")
 
 
-def save_model(model: nn.Module, path: str, d: Dist) -> None:
+def save_model(model: nn.Module, path: Path, d: Dist) -> None:
     if d.is_main:
-        target = Path(path)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-        torch.save(model.state_dict(), tmp)  # the raw module: keys without "module."
-        os.replace(tmp, target)              # atomic: the file is whole or absent
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)  # the raw module: keys without "module."
+        write_atomic(path, buffer.getvalue())   # the file is whole or absent, never half
     dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
 
 
-# ---------------------------------------------------------------------------
-# main
-# ---------------------------------------------------------------------------
-
 def main(args: argparse.Namespace) -> None:
     d = setup(args.backend, args.timeout)
-    train_set, val_set = build_datasets(args, d)
-    if len(train_set) == 0:
-        raise SetupError("the training set is empty")
+    train_set, val_set = build_datasets(args)
     train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
-    per_rank = math.ceil(len(train_set) / d.world_size)
     steps_per_epoch = len(train_loader) // args.accum_steps
     if steps_per_epoch == 0:
         raise SetupError(f"--accum-steps {args.accum_steps} needs at least {args.accum_steps} "
                          f"batches per rank per epoch, but each rank has {len(train_loader)}")
-    total_steps = steps_per_epoch * args.epochs
-    if args.max_steps:
-        total_steps = min(total_steps, args.max_steps)
 
-    # The same initial weights on every rank (DDP also broadcasts rank 0's at wrap time).
-    torch.manual_seed(args.seed)
-    model = build_model(args, len(train_set.classes)).to(d.device, args.dtype)
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also
+    model = build_model(args, len(train_set.classes)).to(d.device, args.dtype)  # broadcasts)
     ddp_model = wrap_ddp(model, args, d)
-    torch.manual_seed(args.seed + d.rank)  # but different dropout masks on each rank
+    torch.manual_seed(args.seed + d.rank)  # but each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
-                                                    total_steps=total_steps)
-    scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
-
+    opt = Optim(optimizer,
+                torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
+                                                    total_steps=steps_per_epoch * args.epochs),
+                torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"))
     if d.is_main:
-        global_batch = d.world_size * args.batch_size * args.accum_steps
         print(f"training {args.arch} ({sum(p.numel() for p in model.parameters()):,} params, "
               f"{len(train_set.classes)} classes) on {d.world_size} x {d.device.type} "
-              f"({d.backend}); {len(train_set)} train / {len(val_set)} val images; "
-              f"global batch {global_batch} = {d.world_size} ranks x {args.batch_size}"
-              f" x {args.accum_steps} accum; {total_steps} steps", flush=True)
-        if per_rank < args.batch_size:
-            print(f"note: {len(train_set)} images over {d.world_size} ranks leave each rank "
-                  f"{per_rank} per epoch, fewer than --batch-size {args.batch_size}: "
-                  f"one short batch per epoch", flush=True)
+              f"({d.backend}); {len(train_set)} train / {len(val_set)} val images; global batch "
+              f"{d.world_size * args.batch_size * args.accum_steps} = {d.world_size} ranks x "
+              f"{args.batch_size} x {args.accum_steps} accum; "
+              f"{steps_per_epoch * args.epochs} steps", flush=True)
 
-    p = Progress()
     history = []
-    epoch = 0
-    while p.step < total_steps:
+    for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # same seed + epoch on every rank: a new shared permutation
-        train = train_one_epoch(ddp_model, train_loader, optimizer, scheduler, scaler, args, d,
-                                epoch, steps_per_epoch, total_steps, p)
+        train = train_one_epoch(ddp_model, train_loader, opt, args, d, epoch)
         val = evaluate(model, val_loader, d, args.dtype) if len(val_set) else None
         history.append((train, val))
         if d.is_main:
             print(f"epoch {epoch + 1} done: train loss {train['loss']:.4f} acc "
                   f"{100 * train['acc']:.1f}%" + (f" | val loss {val['loss']:.4f} acc "
                   f"{100 * val['acc']:.1f}% on {val['n']} images" if val else ""), flush=True)
-        epoch += 1
 
     verified = verify_replicas_identical(model, d)
     if args.save_model:
         save_model(model, args.save_model, d)
     if d.is_main:
         (first, _), (last, last_val) = history[0], history[-1]
-        speed = f"{p.timed_images / p.train_seconds:.1f}" if p.train_seconds else "n/a"
-        print(f"summary: {total_steps} steps, {speed} img/s on {d.world_size} rank(s) "
-              f"(steps 2..{total_steps}); train loss "
+        images, seconds = (sum(t[key] for t, _ in history) for key in ("images", "seconds"))
+        speed = f"{images / seconds:.1f}" if images else "n/a"
+        print(f"summary: {opt.steps} steps, {speed} img/s on {d.world_size} rank(s) (from each "
+              f"epoch's step 2); train loss "
               f"{first['loss']:.4f} -> {last['loss']:.4f}, acc {100 * first['acc']:.1f}% -> "
               f"{100 * last['acc']:.1f}%" + (f"; val acc {100 * last_val['acc']:.1f}%"
                                               if last_val else ""))
@@ -628,56 +315,62 @@ def main(args: argparse.Namespace) -> None:
         print(f"verified: {verified}", flush=True)
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     m = parser.add_argument_group("model")
     m.add_argument("--arch", default="resnet18", choices=ARCHS, metavar="ARCH",
-                   help="any torchvision classification model")
+                   help="any torchvision classification model (default: %(default)s)")
     m.add_argument("--norm", choices=["batch", "group"], default="batch",
-                   help="group: GroupNorm instead of BatchNorm (resnet family)")
+                   help="group: GroupNorm instead of BatchNorm, resnet family (default: batch)")
     m.add_argument("--sync-bn", action="store_true",
-                   help="SyncBatchNorm: BN statistics over the global batch (GPUs only)")
-    data = parser.add_argument_group("data")
-    data.add_argument("--data", metavar="DIR", help="ImageFolder tree with DIR/train and DIR/val")
-    data.add_argument("--dataset", choices=["synthetic", "cifar10"], default="synthetic")
-    data.add_argument("--download", action="store_true", help="download CIFAR-10 if missing")
-    data.add_argument("--data-root", default="./data", help="where CIFAR-10 lives")
-    data.add_argument("--train-size", type=positive_int, default=4096, help="synthetic images")
-    data.add_argument("--val-size", type=nonnegative_int, default=1024, help="0: no evaluation")
-    data.add_argument("--num-classes", type=positive_int, default=10, help="synthetic classes")
-    data.add_argument("--image-size", type=positive_int, default=32)
-    data.add_argument("--workers", type=nonnegative_int, default=None,
-                      help="DataLoader workers per process (default: 0 on CPU, else up to 8)")
+                   help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
+    g = parser.add_argument_group("data (default: synthetic images, made in memory)")
+    g.add_argument("--data", type=Path, metavar="DIR",
+                   help="an ImageFolder tree: DIR/train and DIR/val, a folder per class")
+    for name, default, what in (("--train-size", 4096, "synthetic training images"),
+                                ("--val-size", 1024, "synthetic validation images, 0: none"),
+                                ("--num-classes", 10, "synthetic classes"),
+                                ("--image-size", 32, "image side in pixels")):
+        g.add_argument(name, type=nonnegative_int if name == "--val-size" else positive_int,
+                       default=default, help=f"{what} (default: %(default)s)")
+    g.add_argument("--workers", type=nonnegative_int,
+                   help="DataLoader workers per process (default: auto, 0 on CPU, else up to 8)")
     t = parser.add_argument_group("training")
-    t.add_argument("--epochs", type=positive_int, default=3)
-    t.add_argument("--max-steps", type=positive_int, default=None, help="stop after this many")
-    t.add_argument("--batch-size", type=positive_int, default=128, help="per process")
+    t.add_argument("--epochs", type=positive_int, default=3, help="(default: %(default)s)")
+    t.add_argument("--batch-size", type=positive_int, default=128,
+                   help="images per micro-batch on each process (default: %(default)s)")
     t.add_argument("--accum-steps", type=positive_int, default=1,
-                   help="micro-batches per optimizer step (gradient accumulation with no_sync)")
-    t.add_argument("--lr", type=positive_float, default=0.05, help="peak of the one-cycle schedule")
-    t.add_argument("--weight-decay", type=float, default=5e-4)
+                   help="micro-batches per optimizer step, under no_sync (default: %(default)s)")
+    t.add_argument("--lr", type=positive_float, default=0.05,
+                   help="peak of the one-cycle schedule (default: %(default)g)")
+    t.add_argument("--weight-decay", type=float, default=5e-4, help="(default: %(default)g)")
     t.add_argument("--amp", choices=["none", "bf16", "fp16"], default="none",
-                   help="autocast dtype; fp16 (with GradScaler) needs CUDA")
+                   help="autocast dtype; fp16 (with GradScaler) needs CUDA (default: none)")
     t.add_argument("--float64", action="store_true",
-                   help="train in double precision: slow, but rounding noise all but vanishes, "
-                        "which makes equivalence checks sharp")
-    t.add_argument("--seed", type=int, default=0)
-    t.add_argument("--log-every", type=positive_int, default=10, help="optimizer steps")
-    t.add_argument("--save-model", metavar="PATH", help="rank 0 saves model.module.state_dict()")
+                   help="double precision: slow, but makes equivalence checks sharp")
+    t.add_argument("--seed", type=int, default=0, help="(default: %(default)s)")
+    t.add_argument("--log-every", type=positive_int, default=10, metavar="STEPS",
+                   help="a progress line every STEPS optimizer steps (default: %(default)s)")
+    t.add_argument("--save-model", type=output_file, metavar="PATH",
+                   help="rank 0 saves model.module.state_dict() there at the end")
     k = parser.add_argument_group("DDP knobs")
     k.add_argument("--bucket-cap-mb", type=positive_float, default=25.0,
-                   help="bigger: fewer, larger all-reduces; smaller: earlier overlap")
+                   help="larger: fewer all-reduces; smaller: earlier overlap (default: 25)")
     k.add_argument("--find-unused-parameters", action="store_true",
-                   help="needed when some parameters get no gradient in a step (costs a "
-                        "graph walk each step)")
+                   help="needed when some parameters get no gradient (a graph walk each step)")
     k.add_argument("--static-graph", action="store_true",
-                   help="the set of used parameters never changes: lets DDP optimise")
+                   help="the set of used parameters never changes: DDP can plan ahead")
     k.add_argument("--gradient-as-bucket-view", action="store_true",
-                   help="grads are views into the all-reduce buckets: saves memory and a copy")
+                   help="gradients are views into the all-reduce buckets: saves memory, a copy")
     k.add_argument("--no-broadcast-buffers", action="store_true",
-                   help="keep each rank's own buffers (BN stats) instead of rank 0's each forward")
+                   help="keep each rank's own buffers (BN stats), not rank 0's each forward")
     add_launch_args(parser)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
     gpu = torch.cuda.is_available() and args.backend != "gloo"
@@ -689,8 +382,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "on CPU use --norm group for batch-independent normalisation")
     if args.sync_bn and args.norm == "group":
         parser.error("--sync-bn converts BatchNorm layers; --norm group has none")
-    if args.data and args.dataset != "synthetic":
-        parser.error("use either --data DIR or --dataset cifar10, not both")
+    if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
+        parser.error(f"--data {args.data}: expected folders {args.data}/train and "
+                     f"{args.data}/val (one sub-folder per class)")
     if args.float64 and args.amp != "none":
         parser.error("--float64 and --amp pick opposite precisions; use one")
     args.amp = None if args.amp == "none" else args.amp
@@ -698,6 +392,224 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+# ==== shared plumbing: begin ===============================================================
+# Identical in all six scripts (tests/test_repo.py keeps the copies equal and under 220
+# lines). Read it once, in any of them: launch() runs main on every rank, setup() joins the
+# process group, run_rank() turns failures into one line per rank.
+
+class SetupError(RuntimeError):
+    """The job cannot run as configured; the message says what to change."""
+
+
+class CheckFailed(RuntimeError):
+    """A property this script demonstrates did not hold."""
+
+
+def check(ok: bool, name: str, detail: str) -> None:
+    if not ok:
+        raise CheckFailed(f"{name}: {detail}")
+
+
+def bounded(cast, test, rule: str):
+    """An argparse type: cast the text, refuse values outside the rule."""
+    def parse(text: str):
+        value = cast(text)
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+    parse.__name__ = cast.__name__  # argparse says "invalid int value: 'x'"
+    return parse
+
+
+positive_int = bounded(int, lambda v: v >= 1, ">= 1")
+nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
+positive_float = bounded(float, lambda v: v > 0, "> 0")
+
+
+def output_file(text: str) -> Path:
+    """An argparse type for a file this run writes: refused now, not after the work."""
+    path = Path(text).absolute()
+    folder = next(p for p in path.parents if p.exists())  # missing folders are created
+    if path.is_dir() or not (folder.is_dir() and os.access(folder, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: " + ("it is a folder" if
+                                         path.is_dir() else f"{folder} is not a writable folder"))
+    return Path(text)
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write the whole file or nothing: a temporary file, synced, then renamed over path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # atomic: a reader sees the old file or the new one, never half
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def add_launch_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("launch")
+    g.add_argument("--spawn", nargs="?", type=positive_int, const=0, metavar="N",
+                   help="start N processes with torch.multiprocessing.spawn; N left out: one "
+                        "per GPU, else 2 (default: the launcher's processes, else one)")
+    g.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
+                   help="auto: NCCL when a CUDA GPU is visible, else Gloo (default: auto)")
+    g.add_argument("--timeout", type=positive_float, default=300.0, metavar="SECONDS",
+                   help="give up on a missing peer or a stuck collective (default: %(default)g)")
+
+
+def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.backend == "nccl" and not torch.cuda.is_available():
+        parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(main, args: argparse.Namespace) -> None:
+    """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
+    if torch.__version__ < "2.4":  # GradScaler("cuda"), get_model, weights_only optimizer loads
+        sys.exit(f"error: these scripts need torch >= 2.4, found {torch.__version__}")
+    if args.spawn is not None:
+        n = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
+        port = free_port()  # chosen once, here, so every child meets at the same place
+        try:
+            mp.spawn(_spawned, args=(main, args, n, port), nprocs=n)
+        except mp.ProcessExitedException as e:  # the child has printed its own reason
+            sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
+        return
+    if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()))
+    run_rank(main, args)
+
+
+def _spawned(index: int, main, args: argparse.Namespace, n: int, port: int) -> None:
+    # mp.spawn passes the process index first; set what torchrun would set.
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(n),
+                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    run_rank(main, args)
+
+
+def run_rank(main, args: argparse.Namespace) -> None:
+    """Run main(args) in this process, then end it: exit 0, or 1 with a line naming the rank."""
+    rank, code = os.environ.get("RANK", "?"), 1
+    try:
+        main(args)
+        code = 0
+    except CheckFailed as e:
+        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
+    except KeyboardInterrupt:
+        print(f"[rank {rank}] interrupted", file=sys.stderr)
+    except Exception as e:  # noqa: BLE001 - every failure ends in a line naming the rank
+        expected = describe_error(e)
+        if expected is None:  # a bug, most likely in code pasted in: keep its traceback
+            traceback.print_exc()
+        print(f"[rank {rank}] error: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+    if code == 0 and dist.is_initialized():
+        dist.destroy_process_group()
+    atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Exit without the interpreter's shutdown: Gloo's worker threads outlive
+    # destroy_process_group once DDP has run, and one still releasing tensors while Python
+    # finalizes aborts the process ("terminate called without an active exception",
+    # pytorch/pytorch#190489). Everything is written by now.
+    os._exit(code)
+
+
+def describe_error(e: Exception) -> str | None:
+    """One line for an expected failure (ours, or the process group's); None for a bug."""
+    text = str(e)
+    lost = re.search(r"Connection (reset|closed) by peer|Broken pipe", text)
+    if lost:  # what a surviving rank sees when another process dies in the middle of a job
+        return (f"a peer process is gone (crashed or killed), so this collective cannot "
+                f"finish; that process's own output says why ({text[:lost.end()]})")
+    if isinstance(e, (SetupError, dist.DistError)) or "third_party/gloo" in text:
+        return text  # a usage problem, or the process group's own error (a timeout, say)
+    return None
+
+
+@dataclass
+class Dist:
+    """Who this process is in the job; setup() returns it."""
+    rank: int
+    local_rank: int  # its index on its own node: it picks the GPU
+    world_size: int
+    local_world_size: int
+    node_rank: int
+    backend: str
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
+    """Bind this process to its device, then join the process group."""
+    def env(name: str, default: int) -> int:
+        return int(os.environ.get(name, default))
+    rank, world = env("RANK", 0), env("WORLD_SIZE", 1)
+    local_rank, local_world = env("LOCAL_RANK", rank), env("LOCAL_WORLD_SIZE", world)
+    node_rank = env("GROUP_RANK", (rank - local_rank) // local_world)
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        gpus = torch.cuda.device_count()
+        if local_world > gpus:
+            raise SetupError(f"{local_world} processes on this node but only {gpus} GPU(s): "
+                             f"start at most {gpus} per node (one process per GPU)")
+        device = torch.device("cuda", local_rank)  # by LOCAL rank: GPU ids restart per node
+        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
+    else:  # Gloo: CPU tensors, and the cores shared among this node's processes
+        device = torch.device("cpu")
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        torch.set_num_threads(max(1, cores // local_world))
+    kwargs = dict(init_method=init_method)
+    if init_method != "env://":  # tcp:// and file:// name the meeting point only
+        kwargs.update(rank=rank, world_size=world)
+    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
+        kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world)
+    try:
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
+    except (dist.DistError, RuntimeError, ValueError) as e:
+        raise SetupError(explain_init_failure(str(e), init_method, world, timeout)) from e
+    return Dist(rank, local_rank, world, local_world, node_rank, backend, device)
+
+
+def torchrun_attempt_store(timeout: float):
+    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
+
+    The agent keeps one store for all the restarts that --max-restarts allows. Without a
+    scope, a restarted group can read the addresses the previous, dead group left there and
+    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return dist.PrefixStore(f"attempt_{attempt}/", store)
+
+
+def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:
+    where = init_method if init_method != "env://" else \
+        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    if "EADDRINUSE" in message or "address already in use" in message:
+        return f"the rendezvous port is already in use ({where}); choose another port"
+    joined = re.search(r"(\d+)/(\d+) clients joined", message)
+    if joined or re.search(r"timeout|timed out", message, re.I):
+        count = f"only {joined[1]} of {joined[2]}" if joined else f"not all {world_size}"
+        return (f"{count} ranks joined within {timeout:g}s ({where}); start the missing "
+                f"ranks or lower the world size")
+    return f"init_process_group failed ({where}): {message}"
+# ==== shared plumbing: end =================================================================
+
+
 if __name__ == "__main__":
-    require_torch()
     launch(main, parse_args())

@@ -82,8 +82,12 @@ def kill_tree(proc: subprocess.Popen) -> None:
         pass
 
 
-def start(cmd: list[str], env: dict | None = None) -> subprocess.Popen:
+def start(cmd: list[str], env: dict | None = None, gpu: bool = False) -> subprocess.Popen:
+    """gpu=False (the CPU lane) hides CUDA from the launch, so --backend auto means Gloo
+    even on a machine with GPUs; the GPU lane (tests/test_gpu.py) passes gpu=True."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    if not gpu:
+        full_env["CUDA_VISIBLE_DEVICES"] = ""
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                  "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
         if env is None or name not in env:
@@ -120,10 +124,10 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
 
 
 def run(script: str, *args: str, launcher: str = "single", nproc: int = 2,
-        timeout: float = 120, env: dict | None = None, extra=()) -> Run:
+        timeout: float = 120, env: dict | None = None, extra=(), gpu: bool = False) -> Run:
     cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
     started = time.monotonic()
-    return finish(start(cmd, env), cmd, timeout, started)
+    return finish(start(cmd, env, gpu), cmd, timeout, started)
 
 
 def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run]:

@@ -69,6 +69,23 @@ def test_manual_launch_two_processes(scheme, tmp_path):
     assert rank1.stdout == ""  # rank 0 alone tells the story
 
 
+def test_manual_launch_as_two_nodes_states_local_ranks():
+    # four processes started by hand as if on two machines of two: --local-rank picks the
+    # GPU on a real node, and the node column follows from rank, local rank and node size
+    init = f"tcp://127.0.0.1:{free_port()}"
+    cmds = [command(SCRIPT, ["--init-method", init, "--world-size", "4", "--rank", str(r),
+                             "--local-rank", str(r % 2), "--local-world-size", "2",
+                             "--timeout", "60"]) for r in range(4)]
+    runs = run_many(cmds, timeout=120)
+    for r in runs:
+        r.ok()
+    rows = table(runs[0].stdout)
+    assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rows] == \
+        [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert runs[0].stdout.strip().splitlines()[-1] == \
+        f"verified: 4 rank(s) joined via tcp://; {expected_summary(4)}"
+
+
 def test_spawn_with_tcp_init_passes_ranks_itself():
     r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", launcher="spawn",
             nproc=2).ok()
@@ -128,6 +145,12 @@ def test_rendezvous_port_in_use_is_a_clear_error():
     (["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"],
      "--rank 2 must be < --world-size 2"),
     (["--spawn", "0"], "must be >= 1, got 0"),
+    (["--init-method", "file:///no/such/folder/rdzv", "--rank", "0", "--world-size", "2"],
+     "'file:///no/such/folder/rdzv': the folder /no/such/folder does not exist"),
+    (["--init-method", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "4",
+      "--local-rank", "2", "--local-world-size", "2"],
+     "--local-rank 2 with --local-world-size 2 does not fit rank 1 of 4"),
+    (["--local-rank", "0"], "--local-rank and --local-world-size are for a manual launch"),
     (["--timeout", "-3"], "must be > 0, got -3"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):

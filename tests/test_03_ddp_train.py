@@ -131,29 +131,35 @@ def test_image_folder_training(tmp_path):
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
 
-def test_dataset_smaller_than_world_times_batch_is_noted():
+def test_shards_smaller_than_a_batch_train_and_replicas_match():
+    # 40 images over 2 ranks: each rank holds 20, fewer than --batch-size 32, so every
+    # epoch is one short batch per rank, and still one optimizer step
     r = run(SCRIPT, *TINY[:-4], "--train-size", "40", "--batch-size", "32", "--epochs", "2",
             launcher="torchrun", nproc=2).ok()
-    assert ("note: 40 images over 2 ranks leave each rank 20 per epoch, fewer than "
-            "--batch-size 32: one short batch per epoch") in r.stdout
+    assert "global batch 64 = 2 ranks x 32 x 1 accum; 2 steps" in r.stdout
+    assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
+
+
+def test_unusable_data_is_a_clear_error(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    for args, message in [
+            (["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
+             "--accum-steps 4 needs at least 4 batches per rank per epoch, but each rank has 2"),
+            (["--data", tmp_path], f"--data {tmp_path}: Couldn't find any class folder in "
+                                   f"{tmp_path}/train")]:
+        r = run(SCRIPT, *args, "--timeout", "30").failed()
+        assert f"[rank 0] error: {message}" in r.stderr
+        assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
     (["--data", "/nonexistent/imagenet"],
      "--data /nonexistent/imagenet: expected folders /nonexistent/imagenet/train and"),
-    (["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
-     "--accum-steps 4 needs at least 4 batches per rank per epoch, but each rank has 2"),
-    (["--dataset", "cifar10", "--data-root", "/nonexistent/cifar"],
-     "CIFAR-10 not found under /nonexistent/cifar: add --download"),
-])
-def test_unusable_data_is_a_clear_error(args, message):
-    r = run(SCRIPT, *args, "--timeout", "30").failed()
-    assert f"[rank 0] error: {message}" in r.stderr
-    assert "Traceback" not in r.stderr
-
-
-@pytest.mark.parametrize("args, message", [
+    (["--save-model", "/proc/version/model.pt"],
+     "--save-model: cannot write /proc/version/model.pt: /proc/version is not a writable folder"),
+    (["--save-model", "/tmp"], "--save-model: cannot write /tmp: it is a folder"),
     (["--batch-size", "0"], "--batch-size: must be >= 1, got 0"),
     (["--accum-steps", "0"], "--accum-steps: must be >= 1, got 0"),
     (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),

@@ -61,13 +61,19 @@ def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
         "identical to a one-process evaluation (counts exact, loss within 1e-6)")
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--checkpoint", "/nonexistent/model.pt"], "--checkpoint /nonexistent/model.pt: no such file"),
-])
-def test_missing_checkpoint_is_a_clear_error(extra, message):
-    r = run(SCRIPT, *extra, *COMMON).failed()
-    assert f"[rank 0] error: {message}" in r.stderr
-    assert "Traceback" not in r.stderr
+def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
+    import torch
+
+    text, tensor = tmp_path / "notes.pt", tmp_path / "tensor.pt"
+    text.write_text("not a checkpoint, just a few bytes of text\n")
+    torch.save(torch.zeros(3), tensor)
+    for path, message in [
+            ("/nonexistent/model.pt", "--checkpoint /nonexistent/model.pt: no such file"),
+            (text, f"--checkpoint {text}: torch.load cannot read it ("),
+            (tensor, f"--checkpoint {tensor}: not a state_dict (a dict of tensors)")]:
+        r = run(SCRIPT, "--checkpoint", path, "--val-size", 8, *COMMON).failed()
+        assert f"[rank 0] error: {message}" in r.stderr
+        assert "Traceback" not in r.stderr
 
 
 def test_checkpoint_with_other_class_count_names_the_mismatch(tmp_path):

@@ -1,0 +1,86 @@
+"""The shared plumbing's promises about failures and exits, on real launches.
+
+A bug in code a user pasted into a script keeps its traceback; an expected failure stays
+one line per rank; the program's own exit hooks (atexit) run although every rank ends
+with os._exit.
+"""
+
+from __future__ import annotations
+
+import re
+
+from launch import REPO, run
+
+# Imported by every Python process started with PYTHONPATH pointing at its folder: each
+# rank (RANK is set by then) writes a file from an atexit hook, as a logger's finish would.
+EXIT_HOOK = '''
+import atexit, os
+
+def _finish():
+    if "RANK" in os.environ:
+        with open(os.path.join(os.environ["EXIT_HOOK_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+            f.write("finished")
+
+atexit.register(_finish)
+'''
+
+# A model a user pasted into 03: its forward has a shape bug.
+PASTED_MODEL = '''
+class PastedModel(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(3 * 16 * 16, 10)
+
+    def forward(self, x):
+        return self.fc(x.reshape(len(x), 3, -1))  # BUG: flattened per channel, not per image
+
+'''
+
+
+def exit_hook_env(folder) -> dict:
+    (folder / "sitecustomize.py").write_text(EXIT_HOOK)
+    return {"PYTHONPATH": str(folder), "EXIT_HOOK_DIR": str(folder)}
+
+
+def hooks_that_ran(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("rank*") if p.read_text() == "finished")
+
+
+def test_exit_hooks_run_on_every_rank_after_a_clean_run(tmp_path):
+    r = run("01_init_methods.py", "--timeout", "60", launcher="torchrun", nproc=2,
+            env=exit_hook_env(tmp_path)).ok()
+    assert r.stdout.strip().splitlines()[-1].startswith("verified: 2 rank(s)")
+    assert hooks_that_ran(tmp_path) == ["rank0", "rank1"]
+
+
+def test_a_bug_in_pasted_code_keeps_its_traceback_on_every_rank(tmp_path):
+    source = (REPO / "03_ddp_train.py").read_text()
+    anchor = "def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:\n"
+    assert anchor in source
+    script = tmp_path / "my_train.py"
+    script.write_text(source.replace(anchor, PASTED_MODEL + anchor + "    return PastedModel()\n"))
+    bug_line = script.read_text().splitlines().index(
+        "        return self.fc(x.reshape(len(x), 3, -1))  # BUG: flattened per channel, "
+        "not per image") + 1
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    r = run(script, "--image-size", 16, "--train-size", 32, "--val-size", 0,
+            "--batch-size", 8, "--epochs", 1, "--timeout", "60", launcher="torchrun", nproc=2,
+            env=exit_hook_env(hooks)).failed()
+    # the traceback points at the user's line, on each rank, before the one-line summary
+    assert r.stderr.count(f'File "{script}", line {bug_line}, in forward') == 2, r
+    for rank in (0, 1):
+        line = re.search(rf"^\[rank {rank}\] error: RuntimeError: mat1 and mat2 shapes cannot "
+                         rf"be multiplied .*$", r.stderr, re.M)
+        assert line, r
+    assert hooks_that_ran(hooks) == ["rank0", "rank1"]
+
+
+def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
+    # rank 0 alone, waiting for 2 more ranks that never come: the process group's own error
+    r = run("01_init_methods.py", "--init-method", f"file://{tmp_path}/rdzv", "--rank", "0",
+            "--world-size", "3", "--timeout", "2", timeout=60,
+            env=exit_hook_env(tmp_path)).failed()
+    assert "Traceback" not in r.stderr
+    assert re.search(r"^\[rank 0\] error: .*ranks joined within 2s", r.stderr, re.M), r
+    assert hooks_that_ran(tmp_path) == ["rank0"]
