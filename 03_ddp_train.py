@@ -393,9 +393,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ==== shared plumbing: begin ===============================================================
-# Identical in all six scripts (tests/test_repo.py keeps the copies equal and under 220
-# lines). Read it once, in any of them: launch() runs main on every rank, setup() joins the
-# process group, run_rank() turns failures into one line per rank.
+# The same in all six scripts; tests/test_repo.py keeps the copies equal and under 220 lines.
 
 class SetupError(RuntimeError):
     """The job cannot run as configured; the message says what to change."""
@@ -468,20 +466,19 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if torch.__version__ < "2.4":  # GradScaler("cuda"), get_model, weights_only optimizer loads
-        sys.exit(f"error: these scripts need torch >= 2.4, found {torch.__version__}")
     if args.spawn is not None:
         n = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-        port = free_port()  # chosen once, here, so every child meets at the same place
+        # what torchrun would set, inherited by the children; the port is chosen once, here
+        os.environ.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
         try:
-            mp.spawn(_spawned, args=(main, args, n, port), nprocs=n)
+            mp.spawn(_spawned, args=(main, args), nprocs=n)
         except mp.ProcessExitedException as e:  # the child has printed its own reason
             sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
         return
@@ -491,10 +488,8 @@ def launch(main, args: argparse.Namespace) -> None:
     run_rank(main, args)
 
 
-def _spawned(index: int, main, args: argparse.Namespace, n: int, port: int) -> None:
-    # mp.spawn passes the process index first; set what torchrun would set.
-    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(n),
-                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _spawned(index: int, main, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index))  # mp.spawn passes the index
     run_rank(main, args)
 
 
@@ -504,24 +499,22 @@ def run_rank(main, args: argparse.Namespace) -> None:
     try:
         main(args)
         code = 0
-    except CheckFailed as e:
-        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"[rank {rank}] interrupted", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001 - every failure ends in a line naming the rank
+    except Exception as e:  # every failure ends in a line naming the rank
         expected = describe_error(e)
         if expected is None:  # a bug, most likely in code pasted in: keep its traceback
             traceback.print_exc()
-        print(f"[rank {rank}] error: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
-    if code == 0 and dist.is_initialized():
-        dist.destroy_process_group()
+        label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"
+        print(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+    if code == 0 and dist.is_initialized():  # never after a failure: with NCCL it would
+        dist.destroy_process_group()  # wait for collectives that peers may never join
     atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
     sys.stdout.flush()
     sys.stderr.flush()
-    # Exit without the interpreter's shutdown: Gloo's worker threads outlive
-    # destroy_process_group once DDP has run, and one still releasing tensors while Python
-    # finalizes aborts the process ("terminate called without an active exception",
-    # pytorch/pytorch#190489). Everything is written by now.
+    # No interpreter shutdown: Gloo's threads outlive destroy_process_group once DDP has run,
+    # and one releasing tensors while Python finalizes aborts the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489). Everything is written by now.
     os._exit(code)
 
 
@@ -532,7 +525,7 @@ def describe_error(e: Exception) -> str | None:
     if lost:  # what a surviving rank sees when another process dies in the middle of a job
         return (f"a peer process is gone (crashed or killed), so this collective cannot "
                 f"finish; that process's own output says why ({text[:lost.end()]})")
-    if isinstance(e, (SetupError, dist.DistError)) or "third_party/gloo" in text:
+    if isinstance(e, (SetupError, CheckFailed, dist.DistError)) or "third_party/gloo" in text:
         return text  # a usage problem, or the process group's own error (a timeout, say)
     return None
 
@@ -555,8 +548,7 @@ class Dist:
 
 def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
     """Bind this process to its device, then join the process group."""
-    def env(name: str, default: int) -> int:
-        return int(os.environ.get(name, default))
+    env = lambda name, default: int(os.environ.get(name, default))
     rank, world = env("RANK", 0), env("WORLD_SIZE", 1)
     local_rank, local_world = env("LOCAL_RANK", rank), env("LOCAL_WORLD_SIZE", world)
     node_rank = env("GROUP_RANK", (rank - local_rank) // local_world)
@@ -573,28 +565,39 @@ def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
         device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // local_world))
-    kwargs = dict(init_method=init_method)
-    if init_method != "env://":  # tcp:// and file:// name the meeting point only
-        kwargs.update(rank=rank, world_size=world)
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
-        kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world)
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    except (dist.DistError, RuntimeError, ValueError) as e:
+        kwargs = dict(init_method=init_method)
+        if init_method != "env://":  # tcp:// and file:// name the meeting point only
+            kwargs.update(rank=rank, world_size=world)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
+            kwargs = dict(store=torchrun_store(rank, timeout), rank=rank, world_size=world)
+        # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
+                                device_id=device if backend == "nccl" else None, **kwargs)
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise SetupError(explain_init_failure(str(e), init_method, world, timeout)) from e
     return Dist(rank, local_rank, world, local_world, node_rank, backend, device)
 
 
-def torchrun_attempt_store(timeout: float):
-    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
-
-    The agent keeps one store for all the restarts that --max-restarts allows. Without a
-    scope, a restarted group can read the addresses the previous, dead group left there and
-    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt_{attempt}/", store)
+def torchrun_store(rank: int, timeout: float):
+    """A fresh store per torchrun attempt: the agent's outlives restarts with the dead group's
+    keys (pytorch/pytorch#135712), and restart counts differ by node (pytorch/pytorch#147064).
+    Rank 0 (on MASTER_ADDR) posts its port; the others use it once it answers: a dead one won't."""
+    host, limit = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout)
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, timeout=limit)
+        agent.set("ddp_by_example/store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        port = int(agent.get("ddp_by_example/store_port"))
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return dist.TCPStore(host, port, is_master=False, timeout=limit)
+        except OSError:  # refused: still the previous attempt's port
+            time.sleep(0.1)
+    raise TimeoutError(f"rank 0 posted no live store within {timeout:g}s")
 
 
 def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:

@@ -35,6 +35,7 @@ import re
 import signal
 import socket
 import sys
+import time
 import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -176,7 +177,7 @@ def write_checkpoint(state: dict, path: Path, keep: int) -> None:
         old.unlink(missing_ok=True)
 
 
-def read_checkpoint(path: Path, device: torch.device) -> dict:
+def read_checkpoint(path: Path) -> dict:
     """Verify and load one checkpoint, or raise Unreadable."""
     marker = sidecar(path)
     if not marker.exists():
@@ -186,9 +187,12 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     if hashlib.sha256(data).hexdigest() != expected:
         raise Unreadable(f"sha256 mismatch ({len(data)} bytes): truncated or corrupted")
     try:
-        # map_location: each rank onto its own device (tensors saved from cuda:0 would otherwise
-        # all land on GPU 0). weights_only: tensors and plain containers only, no code runs.
-        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+        # Onto the CPU (saved from cuda:0, the tensors would otherwise all land on GPU 0):
+        # load_state_dict copies weights and optimizer state to each parameter's device, and
+        # AdamW's step counters stay on the CPU as in a fresh run (on the GPU, foreach AdamW
+        # reads them back with .item() every step: pytorch/pytorch#128208).
+        # weights_only: tensors and plain containers only, no code runs.
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
         raise Unreadable(f"torch.load failed: {str(e).splitlines()[0]}") from e
     missing = REQUIRED_KEYS - set(state) if isinstance(state, dict) else REQUIRED_KEYS
@@ -197,13 +201,13 @@ def read_checkpoint(path: Path, device: torch.device) -> dict:
     return state
 
 
-def load_newest(directory: Path, device: torch.device) -> tuple[dict | None, Path | None, list]:
+def load_newest(directory: Path) -> tuple[dict | None, Path | None, list]:
     """The newest checkpoint that verifies, and the newer ones that did not, with reasons."""
     skipped = []
     candidates = list_checkpoints(directory)
     for path in candidates:
         try:
-            return read_checkpoint(path, device), path, skipped
+            return read_checkpoint(path), path, skipped
         except (Unreadable, OSError) as e:
             skipped.append((path, str(e)))
     if candidates:  # never silently start from scratch over checkpoints we could not read
@@ -305,7 +309,7 @@ def resume(model: nn.Module, optimizer, scheduler, scaler, args, d: Dist, say):
 
     Returns the progress to continue from, the coverage counts of the epoch in progress, and
     whether anything was loaded."""
-    state, path, skipped = load_newest(args.checkpoint_dir, d.device)
+    state, path, skipped = load_newest(args.checkpoint_dir)
     names = [None] * d.world_size
     dist.all_gather_object(names, path.name if path else None)
     check(len(set(names)) == 1, "every rank resumes from the same checkpoint",
@@ -318,7 +322,7 @@ def resume(model: nn.Module, optimizer, scheduler, scaler, args, d: Dist, say):
     if state is None:
         if args.init_from:
             try:
-                weights = torch.load(args.init_from, map_location=d.device, weights_only=True)
+                weights = torch.load(args.init_from, map_location="cpu", weights_only=True)
             except Exception as e:  # noqa: BLE001 - whatever the reason, say which file
                 raise SetupError(f"--init-from {args.init_from}: cannot load it: "
                                  f"{str(e).splitlines()[0]}") from e
@@ -392,8 +396,8 @@ def train(model: DDP, loader, sampler: ResumableSampler, optimizer, scheduler, s
                 loss.backward()
                 optimizer.step()
             seen.index_add_(0, index, ones[:len(index)])
-            loss_sum += torch.stack([loss.detach().float() * len(index),
-                                     torch.tensor(float(len(index)), device=d.device)])
+            loss_sum[0] += loss.detach().float() * len(index)  # no host sync per step
+            loss_sum[1] += len(index)
             progress.global_step += 1
             progress.position += args.batch_size * d.world_size  # full batches, but the last
             if i == len(loader):
@@ -447,7 +451,7 @@ def verify_inference_copy(model: DDP, dataset: Dataset, args, d: Dist) -> str:
     """Load the final checkpoint the way an inference job would: a plain model, no DDP, no
     process group needed, and compare its outputs with the trained model's."""
     path = list_checkpoints(args.checkpoint_dir)[0]
-    state = read_checkpoint(path, d.device)
+    state = read_checkpoint(path)
     plain = build_model().to(d.device)
     plain.load_state_dict(model_state(state["model"])[0])
     plain.eval()
@@ -460,6 +464,10 @@ def verify_inference_copy(model: DDP, dataset: Dataset, args, d: Dist) -> str:
 
 
 def main(args: argparse.Namespace) -> None:
+    # Bit-for-bit resume on GPUs needs kernels that give the same bits every run: cuDNN's
+    # deterministic algorithms, and a fixed cuBLAS workspace (set before cuBLAS starts).
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     d = setup(args.backend, args.timeout)
 
     def say(text: str) -> None:
@@ -565,9 +573,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 # ==== shared plumbing: begin ===============================================================
-# Identical in all six scripts (tests/test_repo.py keeps the copies equal and under 220
-# lines). Read it once, in any of them: launch() runs main on every rank, setup() joins the
-# process group, run_rank() turns failures into one line per rank.
+# The same in all six scripts; tests/test_repo.py keeps the copies equal and under 220 lines.
 
 class SetupError(RuntimeError):
     """The job cannot run as configured; the message says what to change."""
@@ -640,20 +646,19 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+    with socket.create_server(("127.0.0.1", 0)) as s:
         return s.getsockname()[1]
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if torch.__version__ < "2.4":  # GradScaler("cuda"), get_model, weights_only optimizer loads
-        sys.exit(f"error: these scripts need torch >= 2.4, found {torch.__version__}")
     if args.spawn is not None:
         n = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-        port = free_port()  # chosen once, here, so every child meets at the same place
+        # what torchrun would set, inherited by the children; the port is chosen once, here
+        os.environ.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(free_port()))
         try:
-            mp.spawn(_spawned, args=(main, args, n, port), nprocs=n)
+            mp.spawn(_spawned, args=(main, args), nprocs=n)
         except mp.ProcessExitedException as e:  # the child has printed its own reason
             sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
         return
@@ -663,10 +668,8 @@ def launch(main, args: argparse.Namespace) -> None:
     run_rank(main, args)
 
 
-def _spawned(index: int, main, args: argparse.Namespace, n: int, port: int) -> None:
-    # mp.spawn passes the process index first; set what torchrun would set.
-    os.environ.update(RANK=str(index), LOCAL_RANK=str(index), WORLD_SIZE=str(n),
-                      LOCAL_WORLD_SIZE=str(n), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+def _spawned(index: int, main, args: argparse.Namespace) -> None:
+    os.environ.update(RANK=str(index), LOCAL_RANK=str(index))  # mp.spawn passes the index
     run_rank(main, args)
 
 
@@ -676,24 +679,22 @@ def run_rank(main, args: argparse.Namespace) -> None:
     try:
         main(args)
         code = 0
-    except CheckFailed as e:
-        print(f"[rank {rank}] CHECK FAILED: {e}", file=sys.stderr)
     except KeyboardInterrupt:
         print(f"[rank {rank}] interrupted", file=sys.stderr)
-    except Exception as e:  # noqa: BLE001 - every failure ends in a line naming the rank
+    except Exception as e:  # every failure ends in a line naming the rank
         expected = describe_error(e)
         if expected is None:  # a bug, most likely in code pasted in: keep its traceback
             traceback.print_exc()
-        print(f"[rank {rank}] error: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
-    if code == 0 and dist.is_initialized():
-        dist.destroy_process_group()
+        label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"
+        print(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+    if code == 0 and dist.is_initialized():  # never after a failure: with NCCL it would
+        dist.destroy_process_group()  # wait for collectives that peers may never join
     atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
     sys.stdout.flush()
     sys.stderr.flush()
-    # Exit without the interpreter's shutdown: Gloo's worker threads outlive
-    # destroy_process_group once DDP has run, and one still releasing tensors while Python
-    # finalizes aborts the process ("terminate called without an active exception",
-    # pytorch/pytorch#190489). Everything is written by now.
+    # No interpreter shutdown: Gloo's threads outlive destroy_process_group once DDP has run,
+    # and one releasing tensors while Python finalizes aborts the process ("terminate called
+    # without an active exception", pytorch/pytorch#190489). Everything is written by now.
     os._exit(code)
 
 
@@ -704,7 +705,7 @@ def describe_error(e: Exception) -> str | None:
     if lost:  # what a surviving rank sees when another process dies in the middle of a job
         return (f"a peer process is gone (crashed or killed), so this collective cannot "
                 f"finish; that process's own output says why ({text[:lost.end()]})")
-    if isinstance(e, (SetupError, dist.DistError)) or "third_party/gloo" in text:
+    if isinstance(e, (SetupError, CheckFailed, dist.DistError)) or "third_party/gloo" in text:
         return text  # a usage problem, or the process group's own error (a timeout, say)
     return None
 
@@ -727,8 +728,7 @@ class Dist:
 
 def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
     """Bind this process to its device, then join the process group."""
-    def env(name: str, default: int) -> int:
-        return int(os.environ.get(name, default))
+    env = lambda name, default: int(os.environ.get(name, default))
     rank, world = env("RANK", 0), env("WORLD_SIZE", 1)
     local_rank, local_world = env("LOCAL_RANK", rank), env("LOCAL_WORLD_SIZE", world)
     node_rank = env("GROUP_RANK", (rank - local_rank) // local_world)
@@ -745,28 +745,39 @@ def setup(backend: str, timeout: float, init_method: str = "env://") -> Dist:
         device = torch.device("cpu")
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
         torch.set_num_threads(max(1, cores // local_world))
-    kwargs = dict(init_method=init_method)
-    if init_method != "env://":  # tcp:// and file:// name the meeting point only
-        kwargs.update(rank=rank, world_size=world)
-    elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
-        kwargs = dict(store=torchrun_attempt_store(timeout), rank=rank, world_size=world)
     try:
-        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout), **kwargs)
-    except (dist.DistError, RuntimeError, ValueError) as e:
+        kwargs = dict(init_method=init_method)
+        if init_method != "env://":  # tcp:// and file:// name the meeting point only
+            kwargs.update(rank=rank, world_size=world)
+        elif os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":  # under torchrun
+            kwargs = dict(store=torchrun_store(rank, timeout), rank=rank, world_size=world)
+        # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout),
+                                device_id=device if backend == "nccl" else None, **kwargs)
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         raise SetupError(explain_init_failure(str(e), init_method, world, timeout)) from e
     return Dist(rank, local_rank, world, local_world, node_rank, backend, device)
 
 
-def torchrun_attempt_store(timeout: float):
-    """The store torchrun's agent hosts at MASTER_ADDR:MASTER_PORT, scoped to this attempt.
-
-    The agent keeps one store for all the restarts that --max-restarts allows. Without a
-    scope, a restarted group can read the addresses the previous, dead group left there and
-    connect to nothing (pytorch/pytorch#135712). Every worker of an attempt shares its count."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                          is_master=False, timeout=datetime.timedelta(seconds=timeout))
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"attempt_{attempt}/", store)
+def torchrun_store(rank: int, timeout: float):
+    """A fresh store per torchrun attempt: the agent's outlives restarts with the dead group's
+    keys (pytorch/pytorch#135712), and restart counts differ by node (pytorch/pytorch#147064).
+    Rank 0 (on MASTER_ADDR) posts its port; the others use it once it answers: a dead one won't."""
+    host, limit = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout)
+    agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit)
+    if rank == 0:
+        store = dist.TCPStore(host, 0, is_master=True, timeout=limit)
+        agent.set("ddp_by_example/store_port", str(store.port))
+        return store
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        port = int(agent.get("ddp_by_example/store_port"))
+        try:
+            socket.create_connection((host, port), timeout=5).close()
+            return dist.TCPStore(host, port, is_master=False, timeout=limit)
+        except OSError:  # refused: still the previous attempt's port
+            time.sleep(0.1)
+    raise TimeoutError(f"rank 0 posted no live store within {timeout:g}s")
 
 
 def explain_init_failure(message: str, init_method: str, world_size: int, timeout: float) -> str:

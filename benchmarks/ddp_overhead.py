@@ -7,7 +7,10 @@
   (d) 1 proc:   03_ddp_train.py as a single process (all cores, batch --batch-size)
 
 Ratios b/a and c/a say how much of the bound DDP plus the script's data and logging path
-keep. Run from the repo root:
+keep. Every clock is read after the GPU has finished its queued work (a synchronize in the
+bound, and in 03 at each log line and epoch end), and 03's training set grows with the
+process count (16 steps per epoch), so the ratios mean the same at 2 processes or 8.
+Run from the repo root:
 
   python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
   python benchmarks/ddp_overhead.py --nproc 8       # one node of 8 GPUs (NCCL)
@@ -102,12 +105,13 @@ def main() -> None:
                 "--nproc_per_node", str(args.nproc)]
     shape = ["--arch", args.arch, "--image-size", str(args.image_size),
              "--batch-size", str(args.batch_size)]
+    data = ["--train-size", str(16 * args.batch_size * args.nproc)]  # 16 steps per epoch
     out = run(torchrun + [__file__, "--bound-worker", "--steps", str(args.steps)] + shape)
     results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
     for key, extra in (("b_default", []), ("c_accum4", ["--accum-steps", "4"])):
-        out = run(torchrun + [str(REPO / "03_ddp_train.py")] + shape + extra)
+        out = run(torchrun + [str(REPO / "03_ddp_train.py")] + shape + data + extra)
         results[key] = float(SUMMARY.search(out)[1])
-    out = run([sys.executable, str(REPO / "03_ddp_train.py")] + shape)
+    out = run([sys.executable, str(REPO / "03_ddp_train.py")] + shape + data)
     results["d_one_process"] = float(SUMMARY.search(out)[1])
     results["b_over_a"] = round(results["b_default"] / results["a_bound"], 3)
     results["c_over_a"] = round(results["c_accum4"] / results["a_bound"], 3)

@@ -111,7 +111,8 @@ def finish(proc: subprocess.Popen, cmd: list[str], timeout: float, started: floa
 
 def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
             extra=()) -> list[str]:
-    """extra: options for torchrun itself, such as ("--max-restarts", 1)."""
+    """extra: options for torchrun itself, such as ("--max-restarts", 1). The "agent"
+    launcher is one node's torchrun in a multi-node job: extra names its rendezvous."""
     path = str(REPO / script)
     if launcher == "single":
         return [PYTHON, path, *args]
@@ -120,6 +121,9 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
     if launcher == "torchrun":
         return [PYTHON, "-m", "torch.distributed.run", "--standalone",
                 "--nproc_per_node", str(nproc), *map(str, extra), path, *args]
+    if launcher == "agent":
+        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
+                *map(str, extra), path, *args]
     raise ValueError(launcher)
 
 
@@ -157,12 +161,13 @@ class Watched:
         self.deadline = self.started + timeout
         self.proc = start(self.cmd, env)
         self.lines: queue.Queue = queue.Queue()
+        self.err_lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
         self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out,
                                                                    self.lines), daemon=True),
                         threading.Thread(target=self._read, args=(self.proc.stderr, self.err,
-                                                                   None), daemon=True)]
+                                                                   self.err_lines), daemon=True)]
         for reader in self.readers:
             reader.start()
 
@@ -170,20 +175,19 @@ class Watched:
     def _read(stream, into: list, lines) -> None:
         for line in stream:
             into.append(line)
-            if lines is not None:
-                lines.put(line)
-        if lines is not None:
-            lines.put(None)
+            lines.put(line)
+        lines.put(None)
 
     def _run(self, returncode: int) -> Run:
         return Run(self.cmd, returncode, "".join(self.out), "".join(self.err),
                    time.monotonic() - self.started)
 
-    def wait_for(self, text: str) -> str:
-        """Block until a stdout line contains text; fail at the deadline or at exit."""
+    def wait_for(self, text: str, stderr: bool = False) -> str:
+        """Block until a stdout (or stderr) line contains text; fail at the deadline or exit."""
+        lines = self.err_lines if stderr else self.lines
         while True:
             try:
-                line = self.lines.get(timeout=max(0.0, self.deadline - time.monotonic()))
+                line = lines.get(timeout=max(0.0, self.deadline - time.monotonic()))
             except queue.Empty:
                 kill_tree(self.proc)
                 pytest.fail(f"no line with {text!r} before the deadline:\n{self._run(-9)}")
@@ -218,6 +222,25 @@ class Watched:
         for reader in self.readers:
             reader.join(timeout=10)
         return self._run(self.proc.returncode)
+
+
+def wait_for_any(jobs: list[Watched], text: str) -> Watched:
+    """The first of several launches whose stdout shows text (say, the node rank 0 is on)."""
+    deadline = min(job.deadline for job in jobs)
+    while time.monotonic() < deadline:
+        for job in jobs:
+            try:
+                line = job.lines.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if line is None:
+                job.proc.wait()
+                pytest.fail(f"exited before printing {text!r}:\n{job._run(job.proc.returncode)}")
+            if text in line:
+                return job
+    for job in jobs:
+        kill_tree(job.proc)
+    pytest.fail(f"no launch printed {text!r} before the deadline")
 
 
 def load_script(script: str):

@@ -12,7 +12,7 @@ import subprocess
 import pytest
 import torch
 
-from launch import Watched, load_script, run
+from launch import Watched, command, free_port, load_script, run, run_many, wait_for_any
 
 SCRIPT = "04_checkpoint.py"
 # 512 samples in batches of 16: one process takes 32 steps per epoch, two take 16. Saves come
@@ -100,6 +100,41 @@ def test_torchrun_recovers_from_a_worker_killed_from_outside(tmp_path, tmp_path_
     resumed = int(re.search(r"resuming from .*step-(\d{8})\.pt", r.stdout)[1])
     assert resumed >= 12
     assert final_state(r.stdout) == final_state(ref.stdout)
+
+
+def test_two_nodes_recover_when_only_one_agent_counts_the_restart(tmp_path):
+    # Two torchrun agents, one worker each. Rank 1's worker is killed; its agent counts a
+    # restart (TORCHELASTIC_RESTART_COUNT=1). Rank 0's worker is frozen meanwhile, so its
+    # agent sees a healthy worker and a node waiting to rejoin, and restarts it as a
+    # membership change, which is not counted (count 0). Scoping the store by the restart
+    # count would then put the two ranks in different scopes: they never meet.
+    def agents(directory, failure=()):
+        rdzv = ("--nnodes", 2, "--max-restarts", 1, "--rdzv-backend", "c10d", "--rdzv-id",
+                directory.name, "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+        return rdzv, (*SMALL, "--checkpoint-dir", directory, *failure)
+
+    rdzv, args = agents(tmp_path / "reference")
+    cmd = command(SCRIPT, [str(a) for a in args], "agent", 1, rdzv)
+    reference = [r.ok() for r in run_many([cmd, cmd], timeout=120)]
+    expected = final_state("".join(r.stdout for r in reference))
+
+    rdzv, args = agents(tmp_path / "job")
+    jobs = [Watched(SCRIPT, *args, launcher="agent", nproc=1, extra=rdzv, timeout=180,
+                    env={"LOGLEVEL": "INFO"}) for _ in range(2)]
+    node0 = wait_for_any(jobs, "saved step-00000012.pt")
+    node1 = jobs[1 - jobs.index(node0)]
+    [rank0], [rank1] = node0.pids_with_env("RANK", "0"), node1.pids_with_env("RANK", "1")
+    os.kill(rank0, signal.SIGSTOP)
+    os.kill(rank1, signal.SIGKILL)
+    node0.wait_for("new nodes from group_rank", stderr=True)  # a restart it does not count
+    os.kill(rank0, signal.SIGCONT)  # its agent is stopping it: SIGTERM is pending
+    runs = [job.finish() for job in jobs]
+    for r in runs:
+        assert r.returncode == 0, f"expected success:\n{r}"
+    assert "attempts left; will restart worker group" in runs[jobs.index(node1)].stderr
+    out = "".join(r.stdout for r in runs)
+    assert re.search(r"resuming from .*step-000000(12|16)\.pt", out), out
+    assert final_state(out) == expected
 
 
 def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, reference):

@@ -7,9 +7,11 @@ with os._exit.
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
-from launch import REPO, run
+from launch import REPO, Watched, run
 
 # Imported by every Python process started with PYTHONPATH pointing at its folder: each
 # rank (RANK is set by then) writes a file from an atexit hook, as a logger's finish would.
@@ -83,4 +85,18 @@ def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
             env=exit_hook_env(tmp_path)).failed()
     assert "Traceback" not in r.stderr
     assert re.search(r"^\[rank 0\] error: .*ranks joined within 2s", r.stderr, re.M), r
+    assert hooks_that_ran(tmp_path) == ["rank0"]
+
+
+def test_ctrl_c_ends_the_rank_at_once_with_one_line(tmp_path):
+    # after a failure or Ctrl-C a rank skips destroy_process_group, which on NCCL would wait
+    # for collectives that no peer will join, and exits non-zero
+    job = Watched("04_checkpoint.py", "--checkpoint-dir", tmp_path, "--save-every", 4,
+                  "--epochs", 50, "--timeout", 60, env=exit_hook_env(tmp_path))
+    job.wait_for("saved step-00000004.pt")
+    os.kill(job.proc.pid, signal.SIGINT)
+    r = job.finish()
+    assert r.returncode == 1, r
+    assert r.stderr.strip().splitlines()[-1] == "[rank 0] interrupted", r
+    assert "Traceback" not in r.stderr
     assert hooks_that_ran(tmp_path) == ["rank0"]
