@@ -392,8 +392,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-# ==== shared plumbing: begin ===============================================================
-# The same in all six scripts; tests/test_repo.py keeps the copies equal and under 220 lines.
+# ==== shared plumbing: begin ==== the same in all six scripts (tests/test_repo.py checks) ====
 
 class SetupError(RuntimeError):
     """The job cannot run as configured; the message says what to change."""
@@ -494,19 +493,20 @@ def _spawned(index: int, main, args: argparse.Namespace) -> None:
 
 
 def run_rank(main, args: argparse.Namespace) -> None:
-    """Run main(args) in this process, then end it: exit 0, or 1 with a line naming the rank."""
+    """Run main(args), then end the process: exit 0, or 1 with one line naming the rank
+    (written in one call: ranks share a terminal, and print() writes text and newline apart)."""
     rank, code = os.environ.get("RANK", "?"), 1
     try:
         main(args)
         code = 0
     except KeyboardInterrupt:
-        print(f"[rank {rank}] interrupted", file=sys.stderr)
+        sys.stderr.write(f"[rank {rank}] interrupted\n")
     except Exception as e:  # every failure ends in a line naming the rank
         expected = describe_error(e)
         if expected is None:  # a bug, most likely in code pasted in: keep its traceback
             traceback.print_exc()
         label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"
-        print(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        sys.stderr.write(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}\n")
     if code == 0 and dist.is_initialized():  # never after a failure: with NCCL it would
         dist.destroy_process_group()  # wait for collectives that peers may never join
     atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run

@@ -1,21 +1,26 @@
-"""06_join_uneven.py: training when ranks have different numbers of batches.
+"""06_join_uneven.py: training when ranks disagree: uneven inputs, a bad step, a mismatch.
 
-DDP all-reduces gradients in every backward, so every rank must run the same number of
-steps. When one rank runs out of data first, the others wait for it forever (or, here,
-until --timeout). Three ways through, each checked at run time:
-  --mode join          with model.join(): joined ranks shadow the missing all-reduces
+DDP all-reduces gradients in every backward, so every rank must run the same steps and the
+same collectives. When one rank runs out of data first, or skips a step, or calls another
+collective, the others wait for it (until --timeout) or, worse, pair the wrong collectives.
+Each way through is checked at run time:
+  --mode join          DDP's join(): joined ranks shadow the missing all-reduces
   --mode join-counter  the generic Join with DDP plus a second Joinable of our own
   --mode throw         join(throw_on_early_termination=True): all ranks stop together
-  --mode no-join       the failure: a clear error after --timeout, pointing here
+  --mode no-join       without join: the uneven end found and named before anyone waits
+  --mode mismatch      ranks call collectives that do not match: TORCH_DISTRIBUTED_DEBUG=DETAIL
+                       names them instead of hanging or mixing the data
+  --nonfinite-at R:S   rank R's loss at step S is not finite: every rank skips that step
 The model is a bias-free Linear(1, 1) fed constant inputs (rank r feeds r + 1), so the
 gradient of every step has a closed form, and the script checks it.
 
 Run
   torchrun --standalone --nproc_per_node 3 06_join_uneven.py --batches-per-rank 6,3,0
   python 06_join_uneven.py --spawn 2 --mode join --no-divide-by-initial-world-size
-  python 06_join_uneven.py --spawn 3 --mode join-counter
+  python 06_join_uneven.py --spawn 3 --mode join-counter --nonfinite-at 1:2
   python 06_join_uneven.py --spawn 3 --mode throw
-  python 06_join_uneven.py --spawn 2 --mode no-join --timeout 10
+  python 06_join_uneven.py --spawn 2 --mode no-join
+  python 06_join_uneven.py --spawn 2 --mode mismatch
   # two nodes: torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
   #     --rdzv-endpoint HOST0:29400 --rdzv-id job1 06_join_uneven.py
 
@@ -31,6 +36,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import io
 import math
 import os
 import re
@@ -56,7 +62,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 # process); add_launch_args adds --spawn, --backend and --timeout.
 
 
-# ---- Models, and a Joinable of our own ---------------------------------------------------
+# ---- Models, and Joinables of our own ----------------------------------------------------
 
 class ScaledByGlobalMean(nn.Module):
     """Divides by the mean of the global batch, found with an all_reduce in forward (as
@@ -104,7 +110,60 @@ class CounterJoinHook(JoinHook):
         self.counter.total += int(zero)
 
 
-# ---- Training with uneven inputs ---------------------------------------------------------
+class StepGuard(Joinable):
+    """Decides with every rank whether a step's loss is finite, before backward.
+
+    A rank that alone skips backward on a bad loss leaves the others waiting in DDP's
+    gradient all-reduce (or pairs its next collective with theirs). Here one small
+    all-reduce tells every rank how many ranks saw a non-finite loss, so all skip together.
+    A joined rank runs its Joinables' hooks in list order, the guard's before DDP's, while
+    an active rank's check comes after DDP's forward: so the check has a Gloo side group
+    of its own, whose collectives are matched apart from the default group's."""
+
+    def __init__(self, device: torch.device, group):
+        super().__init__()
+        self.device, self.group, self.skipped = device, group, 0
+
+    def begin_step(self) -> None:
+        Join.notify_join_context(self)
+
+    def all_finite(self, loss: torch.Tensor) -> bool:
+        bad = (~torch.isfinite(loss.detach())).to(torch.int64).reshape(1).cpu()
+        dist.all_reduce(bad, group=self.group)  # ranks with a non-finite loss this step
+        return int(bad) == 0
+
+    def join_hook(self, **kwargs) -> JoinHook:
+        return GuardJoinHook(self.group)
+
+    @property
+    def join_device(self) -> torch.device:
+        return self.device
+
+    @property
+    def join_process_group(self):
+        return dist.group.WORLD  # Join needs one group for all Joinables; see all_finite
+
+
+class GuardJoinHook(JoinHook):
+    """A joined rank's part in the check: 0 bad ranks, posted without waiting. The active
+    ranks reach their check only after DDP's forward collectives (a bucket rebuild's
+    broadcast, say), which this rank's DDP hook shadows next: waiting here would deadlock."""
+
+    def __init__(self, group):
+        self.group, self.pending = group, None
+
+    def main_hook(self) -> None:
+        if self.pending:  # the previous step's, long done: the others have stepped since
+            self.pending.wait()
+        self.pending = dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=self.group,
+                                       async_op=True)
+
+    def post_hook(self, is_last_joiner: bool) -> None:
+        if self.pending:
+            self.pending.wait()
+
+
+# ---- Training when ranks disagree --------------------------------------------------------
 
 def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) -> float:
     """d/dw of sum(w * x) over the ranks still active at this step, as DDP averages it."""
@@ -130,30 +189,48 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
     inputs = [torch.full((args.batch_size, 1), float(d.rank + 1), device=d.device)
               for _ in range(counts[d.rank])]
     counter = SampleCounter(d.device)
+    # Every rank creates every group, in the same order, whether it uses it or not.
+    side = dist.new_group(backend="gloo") if args.mode == "no-join" or args.nonfinite else None
+    guard = StepGuard(d.device, side) if args.nonfinite else None
     steps, grads_checked = 0, 0
 
     def one_step(x: torch.Tensor) -> None:
         nonlocal steps, grads_checked
-        model(x).sum().backward()
-        if args.mode != "no-join":
-            want = expected_gradient(steps, counts, args)
-            got = linear.weight.grad.item()
-            check(math.isclose(got, want, rel_tol=1e-6), "closed-form gradient",
-                  f"step {steps}: gradient {got} but the formula gives {want}")
-            grads_checked += 1
-        optimizer.step()
+        if guard:
+            guard.begin_step()  # Join's per-step "still here", from the first Joinable
+        loss = model(x).sum()
+        if args.nonfinite == (d.rank, steps):
+            loss = loss * float("nan")  # as an overflow or a bad sample would make it
+        applied = not guard or guard.all_finite(loss)
+        if not applied:
+            # Every rank skips the update. DDP's forward has already told joined ranks to
+            # expect this step's gradient all-reduce (_check_global_requires_backward_grad_sync
+            # in torch/nn/parallel/distributed.py), so run it, on zero gradients.
+            (sum(p.sum() for p in model.parameters()) * 0.0).backward()
+            check(linear.weight.grad.item() == 0.0, "skipped step", f"step {steps}: gradient "
+                  f"{linear.weight.grad.item()} reached the weights")
+            guard.skipped += 1
+        else:
+            loss.backward()
+            if args.mode != "no-join":
+                want = expected_gradient(steps, counts, args)
+                got = linear.weight.grad.item()
+                check(math.isclose(got, want, rel_tol=1e-6), "closed-form gradient",
+                      f"step {steps}: gradient {got} but the formula gives {want}")
+                grads_checked += 1
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         if args.mode == "join-counter":
-            counter.step(len(x))
+            counter.step(len(x) if applied else 0)
         steps += 1
 
-    if args.mode == "join":
-        with model.join(divide_by_initial_world_size=args.divide_by_initial):
-            for x in inputs:
-                one_step(x)
-    elif args.mode == "join-counter":
-        # The generic Join: DDP and our counter both joinable; kwargs go to every hook.
-        with Join([model, counter], divide_by_initial_world_size=args.divide_by_initial):
+    if args.mode in ("join", "join-counter"):
+        # model.join(...) is Join([model], ...); the generic Join takes DDP and Joinables of
+        # our own, and hands the keyword arguments to every one's join hook.
+        joinables = [model, counter] if args.mode == "join-counter" else [model]
+        if guard:  # first, see StepGuard (DDP, no longer first, divides by all ranks)
+            joinables.insert(0, guard)
+        with Join(joinables, divide_by_initial_world_size=args.divide_by_initial):
             for x in inputs:
                 one_step(x)
     elif args.mode == "throw":
@@ -166,40 +243,96 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
         except RuntimeError as e:
             if d.is_main:
                 print(f"rank 0 caught: {e}", flush=True)
-    else:  # no-join
-        try:
-            for x in inputs:
-                one_step(x)
-            dist.barrier()  # a rank that ran out waits here; the others wait in all-reduce
-        except (dist.DistError, RuntimeError) as e:
-            raise SetupError(
-                f"uneven inputs without join: ranks hold {counts} batches, so after "
-                f"{min(counts)} steps some ranks wait for an all-reduce the others never "
-                f"start; it timed out after {args.timeout:g}s (this rank did {steps} steps). "
-                f"Use model.join() (--mode join) or even inputs (drop_last)") from e
+    else:
+        find_uneven_end(inputs, one_step, side, d)
     return {"steps": steps, "grads_checked": grads_checked, "weight": linear.weight.item(),
-            "counter": counter.total}
+            "counter": counter.total, "skipped": guard.skipped if guard else 0,
+            "state": model.module.state_dict() if args.save_model and d.is_main else None}
+
+
+def find_uneven_end(inputs: list, one_step, side, d: Dist) -> None:
+    """Without join: before each step every rank says whether it still has a batch.
+
+    The flags travel on a Gloo side group, so they can never pair with a gradient bucket
+    (a barrier on the default group would: on NCCL the short rank's barrier and the long
+    rank's all-reduce are both one-element sums, and NCCL matches them silently)."""
+    for step in range(max(len(inputs), 1) + 1):
+        mine = torch.tensor([int(step < len(inputs))])
+        flags = [torch.zeros_like(mine) for _ in range(d.world_size)]
+        dist.all_gather(flags, mine, group=side)
+        finished = [r for r, f in enumerate(flags) if not f]
+        if len(finished) == d.world_size:
+            return
+        if finished:
+            training = [r for r, f in enumerate(flags) if f]
+            raise SetupError(
+                f"uneven inputs without join: at step {step} ranks {finished} have no batch "
+                f"left and ranks {training} are still training; those would wait in a "
+                f"gradient all-reduce that the others never start (until --timeout). Use "
+                f"model.join() (--mode join) or even inputs (drop_last)")
+        one_step(inputs[step])
+
+
+def mismatched_collectives(d: Dist, side) -> None:
+    """Rank 0 all-reduces 3 numbers, the others 2, in the same position of the sequence.
+
+    Without a check, Gloo may mix the data or wait and NCCL may hang or read past a
+    buffer. With TORCH_DISTRIBUTED_DEBUG=DETAIL (set in main for this mode), every
+    collective is first fingerprinted across ranks, and a mismatch raises on every rank.
+    No DDP model is built in this mode: in torch 2.14.1, DDP's constructor under DETAIL
+    crashes on Gloo (a segfault in c10d::Logger::set_env_variables; INFO is fine)."""
+    x = torch.ones(3 if d.rank == 0 else 2, device=d.device)
+    try:
+        dist.all_reduce(x)
+    except RuntimeError as e:
+        # Every rank caught it. Each prints torch's report, then all meet once more on the
+        # Gloo side group: the first rank to exit has its launcher stop the others.
+        sys.stderr.write(f"[rank {d.rank}] {' '.join(str(e).split())[:700]}\n")  # one write
+        dist.barrier(group=side)
+        raise SetupError("collectives do not match across ranks: torch's report (from "
+                         "TORCH_DISTRIBUTED_DEBUG=DETAIL) is above") from e
+    raise CheckFailed("mismatch detected: TORCH_DISTRIBUTED_DEBUG=DETAIL let mismatched "
+                      "collectives through")
 
 
 def main(args: argparse.Namespace) -> None:
+    if args.mode == "mismatch":  # before init_process_group, which wraps the group for it
+        os.environ["TORCH_DISTRIBUTED_DEBUG"] = "DETAIL"
+        dist.set_debug_level(dist.DebugLevel.DETAIL)
     d = setup(args.backend, args.timeout)
     counts = batches_per_rank(args, d.world_size)
+    if args.mode == "mismatch":  # no DDP model here: see mismatched_collectives
+        if d.world_size < 2:
+            raise SetupError("--mode mismatch needs at least 2 ranks (--spawn 2, or torchrun)")
+        mismatched_collectives(d, dist.new_group(backend="gloo"))
+    if args.nonfinite and not (args.nonfinite[0] < d.world_size
+                               and args.nonfinite[1] < counts[args.nonfinite[0]]):
+        raise SetupError(f"--nonfinite-at {args.nonfinite[0]}:{args.nonfinite[1]}: rank "
+                         f"{args.nonfinite[0]} has no step {args.nonfinite[1]} "
+                         f"(batches per rank {counts}, steps count from 0)")
     if d.is_main:
         print(f"mode {args.mode}: batches per rank {counts}, batch {args.batch_size}, "
               f"divide_by_initial_world_size={args.divide_by_initial}", flush=True)
     result = train(args, d, counts)
     everyone = [None] * d.world_size
-    dist.all_gather_object(everyone, result)
+    dist.all_gather_object(everyone, {k: v for k, v in result.items() if k != "state"})
     weights = [r["weight"] for r in everyone]
     check(len(set(weights)) == 1, "identical replicas", f"final weights differ: {weights}")
     notes = [f"{d.world_size} rank(s) hold identical weights ({weights[0]:.6f})"]
+    skip = args.nonfinite[1] if args.nonfinite else None
     w = initial_weight(args)
     for step in range(min(counts) if args.mode == "throw" else max(counts)):
-        w -= args.lr * expected_gradient(step, counts, args)
+        w -= 0 if step == skip else args.lr * expected_gradient(step, counts, args)
     check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight",
           f"final weight {weights[0]} but the formula gives {w}")
     checked = sum(r["grads_checked"] for r in everyone)
     notes.append(f"{checked} gradients and the final weight match the closed form")
+    if args.nonfinite:
+        skipped = [r["skipped"] for r in everyone if r["steps"] > skip]
+        check(skipped == [1] * len(skipped), "every rank skips the bad step",
+              f"ranks active at step {skip} skipped {skipped} steps")
+        notes.append(f"step {skip} (rank {args.nonfinite[0]}'s loss not finite) skipped on "
+                     f"all {len(skipped)} active ranks, its update left out")
     if args.mode == "throw":
         steps = [r["steps"] for r in everyone]
         check(steps == [min(counts)] * d.world_size, "stop at the shortest",
@@ -207,10 +340,18 @@ def main(args: argparse.Namespace) -> None:
         notes.append(f"all ranks stopped after {min(counts)} step(s)")
     if args.mode == "join-counter":
         totals = {r["counter"] for r in everyone}
-        expected = sum(counts) * args.batch_size
+        expected = args.batch_size * sum(sum(1 for r in range(d.world_size) if counts[r] > s)
+                                         for s in range(max(counts)) if s != skip)
         check(totals == {expected}, "counter total",
               f"ranks counted {sorted(totals)} samples, expected {expected}")
         notes.append(f"the SampleCounter counted {expected} samples on every rank")
+    if args.save_model:
+        if d.is_main:
+            buffer = io.BytesIO()
+            torch.save(result["state"], buffer)  # model.module.state_dict(): no "module."
+            write_atomic(args.save_model, buffer.getvalue())
+            notes.append(f"rank 0 saved the weights to {args.save_model}")
+        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
     if d.is_main:
         print("steps per rank: " + ", ".join(f"{r}: {e['steps']}" for r, e in enumerate(everyone)))
         print(f"verified: {'; '.join(notes)}", flush=True)
@@ -240,12 +381,19 @@ def count_list(text: str) -> list[int]:
     return counts
 
 
+def rank_and_step(text: str) -> tuple[int, int]:
+    match = re.fullmatch(r"(\d+):(\d+)", text)
+    if not match:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP like 1:2, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", choices=["join", "join-counter", "throw", "no-join"],
-                        default="join", help="which way through uneven inputs (see above; "
-                                             "default: %(default)s)")
+    parser.add_argument("--mode", default="join",
+                        choices=["join", "join-counter", "throw", "no-join", "mismatch"],
+                        help="which case to run (see above; default: %(default)s)")
     parser.add_argument("--batches-per-rank", type=count_list, metavar="N0,N1,...",
                         help="batches on each rank (default: 6, 3, 0, 0, ...)")
     parser.add_argument("--batch-size", type=positive_int, default=2,
@@ -253,10 +401,15 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--divide-by-initial-world-size", dest="divide_by_initial",
                         action=argparse.BooleanOptionalAction, default=True,
                         help="average gradients over all ranks, or over those still active")
+    parser.add_argument("--nonfinite-at", dest="nonfinite", type=rank_and_step,
+                        metavar="RANK:STEP", help="make that rank's loss NaN at that step "
+                                                  "(from 0); join and join-counter modes")
     parser.add_argument("--lr", type=positive_float, default=0.01,
                         help="SGD learning rate (default: %(default)g)")
     parser.add_argument("--seed", type=int, default=0,
                         help="seeds the initial weight (default: %(default)s)")
+    parser.add_argument("--save-model", type=output_file, metavar="PATH",
+                        help="rank 0 saves model.module.state_dict() there at the end")
     add_launch_args(parser)
     return parser
 
@@ -265,11 +418,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
+    if args.nonfinite and args.mode not in ("join", "join-counter"):
+        parser.error("--nonfinite-at works with --mode join or join-counter")
+    if args.nonfinite and not args.divide_by_initial:
+        parser.error("--nonfinite-at needs --divide-by-initial-world-size: its check comes "
+                     "first in Join, and only the first Joinable tells DDP how many ranks "
+                     "are still active")
     return args
 
 
-# ==== shared plumbing: begin ===============================================================
-# The same in all six scripts; tests/test_repo.py keeps the copies equal and under 220 lines.
+# ==== shared plumbing: begin ==== the same in all six scripts (tests/test_repo.py checks) ====
 
 class SetupError(RuntimeError):
     """The job cannot run as configured; the message says what to change."""
@@ -370,19 +528,20 @@ def _spawned(index: int, main, args: argparse.Namespace) -> None:
 
 
 def run_rank(main, args: argparse.Namespace) -> None:
-    """Run main(args) in this process, then end it: exit 0, or 1 with a line naming the rank."""
+    """Run main(args), then end the process: exit 0, or 1 with one line naming the rank
+    (written in one call: ranks share a terminal, and print() writes text and newline apart)."""
     rank, code = os.environ.get("RANK", "?"), 1
     try:
         main(args)
         code = 0
     except KeyboardInterrupt:
-        print(f"[rank {rank}] interrupted", file=sys.stderr)
+        sys.stderr.write(f"[rank {rank}] interrupted\n")
     except Exception as e:  # every failure ends in a line naming the rank
         expected = describe_error(e)
         if expected is None:  # a bug, most likely in code pasted in: keep its traceback
             traceback.print_exc()
         label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"
-        print(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}", file=sys.stderr)
+        sys.stderr.write(f"[rank {rank}] {label}: {expected or f'{type(e).__name__}: {e}'}\n")
     if code == 0 and dist.is_initialized():  # never after a failure: with NCCL it would
         dist.destroy_process_group()  # wait for collectives that peers may never join
     atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from launch import run
+from launch import load_script, run
 
 SCRIPT = "06_join_uneven.py"
 
@@ -57,11 +57,71 @@ def test_throw_stops_every_rank_at_the_shortest_length():
     assert "6 gradients and the final weight match the closed form" in r.stdout
 
 
-def test_without_join_uneven_inputs_fail_clearly_within_the_timeout():
-    r = run(SCRIPT, "--mode", "no-join", "--batches-per-rank", "4,2", "--timeout", 5,
-            launcher="torchrun", nproc=2, timeout=60).failed()
-    assert ("error: uneven inputs without join: ranks hold [4, 2] batches, so after 2 steps "
-            "some ranks wait for an all-reduce the others never start; it timed out after "
-            "5s") in r.stderr
-    assert "Use model.join() (--mode join)" in r.stderr
-    assert r.seconds < 45  # the process-group timeout ended it, not the test's deadline
+@pytest.mark.parametrize("mode, counts, bad", [
+    ("join", "5,2,4", "2:1"),          # rank 2's loss at step 1, while all three are active
+    ("join-counter", "2,5,0,4", "1:3"),  # at step 3: ranks 1, 3 active, 0 and 2 joined
+])
+def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad):
+    n = [int(c) for c in counts.split(",")]
+    bad_rank, bad_step = map(int, bad.split(":"))
+    r = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
+            "--timeout", 30, launcher="torchrun", nproc=len(n)).ok()
+    active = [rank for rank, c in enumerate(n) if c > bad_step]
+    assert (f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
+            f"{len(active)} active ranks, its update left out") in r.stdout
+    # every active rank's gradient was checked on every step but the skipped one
+    assert f"{sum(n) - len(active)} gradients and the final weight match" in r.stdout
+    torch.manual_seed(0)
+    w = torch.nn.Linear(1, 1, bias=False).weight.item()
+    for step in range(max(n)):
+        if step != bad_step:
+            w -= 0.01 * sum(2 * (rank + 1) for rank, c in enumerate(n) if c > step) / len(n)
+    assert weight(r.stdout) == pytest.approx(w, abs=2e-6)
+    if mode == "join-counter":
+        applied = sum(2 for s in range(max(n)) if s != bad_step for c in n if c > s)
+        assert f"the SampleCounter counted {applied} samples on every rank" in r.stdout
+
+
+def test_without_join_the_uneven_end_is_named_on_every_rank():
+    r = run(SCRIPT, "--mode", "no-join", "--batches-per-rank", "4,2,4", "--timeout", 30,
+            launcher="torchrun", nproc=3).failed()
+    for rank in range(3):
+        assert re.search(rf"^\[rank {rank}\] error: uneven inputs without join: at step 2 ranks "
+                         r"\[1\] have no batch left and ranks \[0, 2\] are still training; "
+                         r".*Use model\.join\(\) \(--mode join\)", r.stderr, re.M), r
+    assert r.seconds < 25  # named at once, not after --timeout
+
+
+def test_mismatched_collectives_are_reported_on_every_rank():
+    r = run(SCRIPT, "--mode", "mismatch", "--timeout", 30, launcher="spawn", nproc=3).failed()
+    for rank in range(3):
+        report = re.search(rf"^\[rank {rank}\] Detected mismatch between collectives on ranks\. "
+                           rf"Rank {rank} is running collective: .*$", r.stderr, re.M)
+        assert report, r
+        assert "OpType=ALLREDUCE" in report[0]
+        assert ("TensorShape=[3]" if rank == 0 else "TensorShape=[2]") in report[0]
+    assert "error: collectives do not match across ranks: torch's report" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_saved_model_holds_the_verified_weight(tmp_path):
+    path = tmp_path / "out" / "model.pt"
+    r = run(SCRIPT, "--mode", "join", "--batches-per-rank", "3,1", "--save-model", path,
+            "--timeout", 30, launcher="spawn", nproc=2).ok()
+    state = torch.load(path, weights_only=True)
+    assert list(state) == ["0.weight"]  # model.module's keys: no "module." prefix
+    assert state["0.weight"].item() == pytest.approx(weight(r.stdout), abs=1e-6)
+    assert f"rank 0 saved the weights to {path}" in r.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nonfinite-at", "1"], "expected RANK:STEP like 1:2"),
+    (["--mode", "throw", "--nonfinite-at", "0:1"], "works with --mode join or join-counter"),
+    (["--nonfinite-at", "0:1", "--no-divide-by-initial-world-size"],
+     "--nonfinite-at needs --divide-by-initial-world-size"),
+])
+def test_bad_arguments_are_usage_errors(args, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(args)
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
