@@ -197,9 +197,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.local_rank, args.local_world_size = local, per_node
     elif args.local_rank is not None or args.local_world_size is not None:
         parser.error("--local-rank and --local-world-size are for a manual launch with --rank")
-    if scheme == "file" and not Path(args.init_method[len("file://"):]).parent.is_dir():
-        parser.error(f"--init-method {args.init_method!r}: the folder "
-                     f"{Path(args.init_method[len('file://'):]).parent} does not exist; "
+    folder = Path(args.init_method[len("file://"):]).parent  # torch waits forever if absent
+    if scheme == "file" and not folder.is_dir():
+        parser.error(f"--init-method {args.init_method!r}: the folder {folder} does not exist; "
                      f"every process must see it")
     if args.spawn is not None and args.rank is not None:
         parser.error("--spawn assigns ranks itself; drop --rank/--world-size")
