@@ -177,7 +177,7 @@ def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) ->
     return total / (len(counts) if args.divide_by_initial else len(active))
 
 
-def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
+def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> tuple[dict, nn.Module]:
     torch.manual_seed(args.seed)
     layers = [nn.Linear(1, 1, bias=False)]
     if args.mode == "throw":
@@ -246,8 +246,7 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> dict:
     else:
         find_uneven_end(inputs, one_step, side, d)
     return {"steps": steps, "grads_checked": grads_checked, "weight": linear.weight.item(),
-            "counter": counter.total, "skipped": guard.skipped if guard else 0,
-            "state": model.module.state_dict() if args.save_model and d.is_main else None}
+            "counter": counter.total, "skipped": guard.skipped if guard else 0}, model.module
 
 
 def find_uneven_end(inputs: list, one_step, side, d: Dist) -> None:
@@ -256,7 +255,7 @@ def find_uneven_end(inputs: list, one_step, side, d: Dist) -> None:
     The flags travel on a Gloo side group, so they can never pair with a gradient bucket
     (a barrier on the default group would: on NCCL the short rank's barrier and the long
     rank's all-reduce are both one-element sums, and NCCL matches them silently)."""
-    for step in range(max(len(inputs), 1) + 1):
+    for step in range(len(inputs) + 1):  # at len(inputs) this rank's own flag is 0
         mine = torch.tensor([int(step < len(inputs))])
         flags = [torch.zeros_like(mine) for _ in range(d.world_size)]
         dist.all_gather(flags, mine, group=side)
@@ -313,9 +312,9 @@ def main(args: argparse.Namespace) -> None:
     if d.is_main:
         print(f"mode {args.mode}: batches per rank {counts}, batch {args.batch_size}, "
               f"divide_by_initial_world_size={args.divide_by_initial}", flush=True)
-    result = train(args, d, counts)
+    result, module = train(args, d, counts)
     everyone = [None] * d.world_size
-    dist.all_gather_object(everyone, {k: v for k, v in result.items() if k != "state"})
+    dist.all_gather_object(everyone, result)
     weights = [r["weight"] for r in everyone]
     check(len(set(weights)) == 1, "identical replicas", f"final weights differ: {weights}")
     notes = [f"{d.world_size} rank(s) hold identical weights ({weights[0]:.6f})"]
@@ -348,7 +347,7 @@ def main(args: argparse.Namespace) -> None:
     if args.save_model:
         if d.is_main:
             buffer = io.BytesIO()
-            torch.save(result["state"], buffer)  # model.module.state_dict(): no "module."
+            torch.save(module.state_dict(), buffer)  # the unwrapped model: no "module."
             write_atomic(args.save_model, buffer.getvalue())
             notes.append(f"rank 0 saved the weights to {args.save_model}")
         dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
