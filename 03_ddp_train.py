@@ -29,6 +29,7 @@ import io
 import math
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -43,6 +44,8 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powerSGD
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
@@ -130,16 +133,20 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
                          f"(resnet*, resnext*, wide_resnet*); {args.arch} has none") from e
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
+        model.unused_layer = nn.Linear(8, 8)
     return model
 
 
-def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
-    knobs = {}
+def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist, total_steps: int) -> DDP:
+    if args.compile:  # compile the inner module, then wrap: its state_dict keys stay plain,
+        model.compile(backend=args.compile)  # and Dynamo's DDPOptimizer splits the graph at
+    knobs = {}                               # DDP's bucket boundaries, so all-reduces overlap
     if args.no_broadcast_buffers:  # each rank keeps its own buffers (BN running stats)
         # torch 2.14 renamed broadcast_buffers to forward_sync_buffers; the old name warns
         new_name = "forward_sync_buffers" in inspect.signature(DDP).parameters
         knobs["forward_sync_buffers" if new_name else "broadcast_buffers"] = False
-    return DDP(model,
+    ddp_model = DDP(model,
         device_ids=[d.local_rank] if d.device.type == "cuda" else None,  # CPU: None
         bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
         find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
@@ -147,6 +154,28 @@ def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
         gradient_as_bucket_view=args.gradient_as_bucket_view,  # grads live in the buckets
         **knobs,
     )
+    # A comm hook replaces each bucket's all-reduce. fp16/bf16 halve the bytes sent (each
+    # rank's gradient is rounded first). PowerSGD sends a rank-2 approximation of each weight
+    # matrix and carries what it dropped into the next step; plain all-reduces until ~10% of
+    # the steps (2 at least: DDP rebuilds its buckets after step 1).
+    if args.comm_hook == "powersgd":
+        state = powerSGD.PowerSGDState(None, matrix_approximation_rank=2,
+                                       start_powerSGD_iter=max(2, total_steps // 10))
+        gloo = d.backend == "gloo"
+        ddp_model.register_comm_hook(state, powersgd_in_order if gloo else powerSGD.powerSGD_hook)
+    elif args.comm_hook != "none":  # state None: all-reduce over the default process group
+        hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+        ddp_model.register_comm_hook(None, hook[args.comm_hook])
+    return ddp_model
+
+
+def powersgd_in_order(state, bucket):
+    """PowerSGD for Gloo. Its 2nd and 3rd all-reduces start from callbacks, which Gloo runs on
+    its own threads, so ranks can start them in different orders (seen here as a size mismatch
+    between ranks). Waiting for each bucket before the next one keeps one order; no overlap."""
+    done = torch.futures.Future()
+    done.set_result(powerSGD.powerSGD_hook(state, bucket).wait())
+    return done
 
 
 # ---- Training and evaluation -------------------------------------------------------------
@@ -166,9 +195,34 @@ def clock(d: Dist) -> float:
     return time.perf_counter()
 
 
+def compile_warm_up(model: DDP, args: argparse.Namespace, d: Dist) -> list[float]:
+    """Compile before training: a forward and backward on zeros of the training shape, under
+    no_sync, then undone. Ranks compile at different speeds; the others wait for the slowest
+    in a gather on a Gloo group with a 30-minute timeout, with no NCCL collective pending that
+    the watchdog could time out. A later recompile (a new shape; eval mode) stalls its rank
+    inside the next collective instead, within --timeout; TORCH_LOGS=recompiles says why."""
+    patient = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=30))
+    images = torch.zeros(args.batch_size, 3, args.image_size, args.image_size,
+                         device=d.device, dtype=args.dtype)
+    saved, start = [b.clone() for b in model.module.buffers()], clock(d)  # BN statistics
+    try:  # static_graph: its first backward must sync (see train_one_epoch), so it waits there
+        with nullcontext() if args.static_graph else model.no_sync():
+            with torch.autocast(d.device.type, dtype=args.amp, enabled=args.amp is not None):
+                loss = F.cross_entropy(model(images), images.new_zeros(len(images), dtype=int))
+            loss.backward()
+    except torch._dynamo.exc.BackendCompilerFailed as e:  # its first line, not 200
+        raise SetupError(f"--compile {args.compile} failed: {str(e).splitlines()[0]}") from e
+    every_rank = [clock(d) - start] * d.world_size
+    model.zero_grad(set_to_none=True)
+    for buffer, value in zip(model.module.buffers(), saved):
+        buffer.copy_(value)
+    dist.all_gather_object(every_rank, every_rank[0], group=patient)
+    dist.destroy_process_group(patient)
+    return every_rank
+
+
 def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -> dict:
     model.train()
-    amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)
     micro_batches = len(loader) // args.accum_steps * args.accum_steps  # whole groups only
     total_steps = micro_batches // args.accum_steps * args.epochs
     window = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
@@ -180,11 +234,14 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
             break
         images = images.to(d.device, dtype=args.dtype, non_blocking=True)
         labels = labels.to(d.device, non_blocking=True)
-        sync = (i + 1) % args.accum_steps == 0
+        step = (i + 1) % args.accum_steps == 0
         # no_sync: the first K-1 micro-batches only accumulate gradients locally; the K-th
-        # backward all-reduces the accumulated sum, once.
+        # backward all-reduces the accumulated sum, once. static_graph's first backward must
+        # sync (in no_sync it fails an assert, pytorch/pytorch#143580); that is exact: every
+        # rank then holds the same average, which the K-th all-reduce leaves unchanged.
+        sync = step or (args.static_graph and opt.steps == 0 and i == 0)
         with nullcontext() if sync else model.no_sync():
-            with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
+            with torch.autocast(d.device.type, dtype=args.amp, enabled=args.amp is not None):
                 logits = model(images)
                 loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
             opt.scaler.scale(loss / args.accum_steps).backward()
@@ -193,7 +250,7 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
             window[1] += (logits.argmax(1) == labels).sum()
             window[2] += len(labels)
         timed_images += len(labels) if started else 0
-        if not sync:
+        if not step:
             continue
         opt.scaler.step(opt.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         opt.scaler.update()
@@ -252,14 +309,6 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
             f"({flat.numel():,} values, sha256 {digest[:16]})")
 
 
-def save_model(model: nn.Module, path: Path, d: Dist) -> None:
-    if d.is_main:
-        buffer = io.BytesIO()
-        torch.save(model.state_dict(), buffer)  # the raw module: keys without "module."
-        write_atomic(path, buffer.getvalue())   # the file is whole or absent, never half
-    dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
-
-
 def main(args: argparse.Namespace) -> None:
     d = setup(args.backend, args.timeout)
     train_set, val_set = build_datasets(args)
@@ -269,23 +318,28 @@ def main(args: argparse.Namespace) -> None:
         raise SetupError(f"--accum-steps {args.accum_steps} needs at least {args.accum_steps} "
                          f"batches per rank per epoch, but each rank has {len(train_loader)}")
 
+    global_batch = d.world_size * args.batch_size * args.accum_steps
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP also
     model = build_model(args, len(train_set.classes)).to(d.device, args.dtype)  # broadcasts)
-    ddp_model = wrap_ddp(model, args, d)
+    ddp_model = wrap_ddp(model, args, d, steps_per_epoch * args.epochs)
     torch.manual_seed(args.seed + d.rank)  # but each rank its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
                                 weight_decay=args.weight_decay)
     opt = Optim(optimizer,
                 torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=args.lr,
                                                     total_steps=steps_per_epoch * args.epochs),
-                torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"))
+                torch.amp.GradScaler(d.device.type, enabled=args.amp == torch.float16))
     if d.is_main:
         print(f"training {args.arch} ({sum(p.numel() for p in model.parameters()):,} params, "
               f"{len(train_set.classes)} classes) on {d.world_size} x {d.device.type} "
               f"({d.backend}); {len(train_set)} train / {len(val_set)} val images; global batch "
-              f"{d.world_size * args.batch_size * args.accum_steps} = {d.world_size} ranks x "
-              f"{args.batch_size} x {args.accum_steps} accum; "
-              f"{steps_per_epoch * args.epochs} steps", flush=True)
+              f"{global_batch} = {d.world_size} ranks x {args.batch_size} x {args.accum_steps} "
+              f"accum; {steps_per_epoch * args.epochs} steps", flush=True)
+    if args.compile:
+        seconds = compile_warm_up(ddp_model, args, d)
+        if d.is_main:
+            print(f"compiled ({args.compile}) in {max(seconds):.1f} s on the slowest rank, "
+                  f"{min(seconds):.1f} s on the fastest", flush=True)
 
     history = []
     for epoch in range(args.epochs):
@@ -300,16 +354,20 @@ def main(args: argparse.Namespace) -> None:
 
     verified = verify_replicas_identical(model, d)
     if args.save_model:
-        save_model(model, args.save_model, d)
+        if d.is_main:  # the raw module: keys without "module."; the file whole or absent
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            write_atomic(args.save_model, buffer.getvalue())
+        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
     if d.is_main:
         (first, _), (last, last_val) = history[0], history[-1]
         images, seconds = (sum(t[key] for t, _ in history) for key in ("images", "seconds"))
-        speed = f"{images / seconds:.1f}" if images else "n/a"
-        print(f"summary: {opt.steps} steps, {speed} img/s on {d.world_size} rank(s) (from each "
-              f"epoch's step 2); train loss "
-              f"{first['loss']:.4f} -> {last['loss']:.4f}, acc {100 * first['acc']:.1f}% -> "
-              f"{100 * last['acc']:.1f}%" + (f"; val acc {100 * last_val['acc']:.1f}%"
-                                              if last_val else ""))
+        speed = (f"{images / seconds:.1f} img/s, {seconds / images * global_batch:.3f} s/step"
+                 if images else "n/a")  # n/a: one step per epoch, and step 1 is not timed
+        print(f"summary: {opt.steps} steps, {speed} on {d.world_size} "
+              f"rank(s) (from each epoch's step 2); train loss {first['loss']:.4f} -> "
+              f"{last['loss']:.4f}, acc {100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
+              + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else ""))
         if args.save_model:
             print(f"saved model.module.state_dict() to {args.save_model}")
         print(f"verified: {verified}", flush=True)
@@ -325,6 +383,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="group: GroupNorm instead of BatchNorm, resnet family (default: batch)")
     m.add_argument("--sync-bn", action="store_true",
                    help="SyncBatchNorm: BatchNorm statistics over the global batch (GPUs only)")
+    m.add_argument("--unused-layer", action="store_true",
+                   help="add a layer forward never uses (see --find-unused-parameters)")
     g = parser.add_argument_group("data (default: synthetic images, made in memory)")
     g.add_argument("--data", type=Path, metavar="DIR",
                    help="an ImageFolder tree: DIR/train and DIR/val, a folder per class")
@@ -365,6 +425,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="gradients are views into the all-reduce buckets: saves memory, a copy")
     k.add_argument("--no-broadcast-buffers", action="store_true",
                    help="keep each rank's own buffers (BN stats), not rank 0's each forward")
+    k.add_argument("--comm-hook", choices=["none", "fp16", "bf16", "powersgd"], default="none",
+                   help="compress gradients before the all-reduce (default: none)")
+    k.add_argument("--compile", nargs="?", const="inductor", metavar="BACKEND",
+                   help="torch.compile the model, with inductor unless BACKEND is given")
     add_launch_args(parser)
     return parser
 
@@ -380,6 +444,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sync_bn and not gpu:
         parser.error("--sync-bn needs CUDA GPUs: SyncBatchNorm does not run on CPU with Gloo; "
                      "on CPU use --norm group for batch-independent normalisation")
+    if args.compile and args.compile not in torch.compiler.list_backends(exclude_tags=()):
+        parser.error(f"--compile {args.compile}: not a torch.compile backend (try inductor or "
+                     f"aot_eager; torch.compiler.list_backends(exclude_tags=()) has them all)")
+    cxx = os.environ.get("CXX", "g++")  # inductor builds its CPU kernels with it
+    if args.compile == "inductor" and not gpu and not shutil.which(cxx):
+        parser.error(f"--compile inductor on CPU needs a C++ compiler; {cxx} is not found")
     if args.sync_bn and args.norm == "group":
         parser.error("--sync-bn converts BatchNorm layers; --norm group has none")
     if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
@@ -387,7 +457,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"{args.data}/val (one sub-folder per class)")
     if args.float64 and args.amp != "none":
         parser.error("--float64 and --amp pick opposite precisions; use one")
-    args.amp = None if args.amp == "none" else args.amp
+    args.amp = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(args.amp)  # or None
     args.dtype = torch.float64 if args.float64 else torch.float32
     return args
 

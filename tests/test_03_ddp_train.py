@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
 import torch
 
-from launch import load_script, run
+from launch import PYTHON, REPO, free_port, load_script, run, run_many
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
@@ -15,6 +16,8 @@ VERIFIED = re.compile(r"^verified: (\d+) rank\(s\) hold identical parameters "
                       r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)$", re.M)
 SHORT = ["--train-size", "768", "--val-size", "256", "--batch-size", "64", "--epochs", "2",
          "--log-every", "3", "--timeout", "60"]
+TINY = ["--arch", "resnet18", "--image-size", "16", "--train-size", "64", "--val-size", "32",
+        "--batch-size", "16", "--epochs", "1", "--timeout", "60"]
 
 
 def assert_trained(stdout: str, ranks: int) -> None:
@@ -36,63 +39,112 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
     assert len(val) == 2  # every validation image counted once, across both ranks
 
 
-def test_default_training_under_spawn_learns_and_replicas_match():
-    r = run(SCRIPT, *SHORT, launcher="spawn", nproc=2).ok()
-    assert_trained(r.stdout, 2)
+def test_spawn_with_shards_smaller_than_a_batch_trains_and_replicas_match():
+    # 40 images over 2 ranks: each rank holds 20, fewer than --batch-size 32, so every
+    # epoch is one short batch per rank, and still one optimizer step
+    r = run(SCRIPT, *TINY[:-4], "--train-size", "40", "--batch-size", "32", "--epochs", "2",
+            launcher="spawn", nproc=2).ok()
+    assert "on 2 x cpu (gloo)" in r.stdout
+    assert "global batch 64 = 2 ranks x 32 x 1 accum; 2 steps" in r.stdout
+    assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
+    assert int(VERIFIED.search(r.stdout)[1]) == 2
 
 
-# --- N processes with batch b == one process with batch N*b -----------------------------
-# resnet18 with GroupNorm (no batch statistics, no dropout), 144 images = 12 global batches of
-# 12 per epoch, 2 epochs: 24 optimizer steps, or 12 with --accum-steps 2. In float64: in
-# float32 the step-1 weights agree to 1e-10, but over 24 steps a ReLU network amplifies the
-# rounding of a 12-sample mean vs. a mean of 4-sample means into differences up to 1e-2.
-EQUIV = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size", "144",
+# --- N processes with batch b == one process with batch N*b, over DDP's knobs ----------------
+# resnet18 with GroupNorm (no batch statistics, no dropout), 48 images = 4 global batches of 12
+# per epoch, 2 epochs: 8 optimizer steps, or 4 with --accum-steps 2. In float64: in float32
+# the step-1 weights agree to 1e-10, but over many steps a ReLU network amplifies the rounding
+# of a 12-sample mean vs. a mean of 6- or 4-sample means into differences up to 1e-2.
+EQUIV = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size", "48",
          "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64", "--timeout", "60"]
 GLOBAL_BATCH = 12
+STATIC, FIND, VIEW, NO_BCAST = ("--static-graph", "--find-unused-parameters",
+                                "--gradient-as-bucket-view", "--no-broadcast-buffers")
+COMPILE, SMALL_BUCKETS = ["--compile", "aot_eager"], ["--bucket-cap-mb", "1"]
+SLOW_COMPILE = ["--compile", "slow_aot_eager", "--timeout", "6"]  # see same_processes.py
+# The knobs that interact, each pair of them in at least one cell (pairwise coverage): DDP's
+# reducer takes all of them, and each changes when or where gradients are all-reduced.
+# Exact cells must match one process to 1e-9; a comm hook changes the arithmetic on purpose,
+# so its cells must differ from it (the hook ran) while the replicas stay identical.
+# --unused-layer (a layer forward never calls) rides with --find-unused-parameters and with
+# --static-graph, the two settings that let DDP train it. --compile uses aot_eager: Dynamo,
+# DDPOptimizer's graph split at bucket boundaries and AOTAutograd, without inductor's C++
+# code generation (90 s per run on a 2-core CPU; the GPU lane compiles with inductor). In
+# one cell rank 1 compiles 10 s longer than rank 0 (SLOW_COMPILE), under --timeout 6: the
+# warm-up's patient gather must absorb the skew.
+MATRIX = {  # name: (processes, accumulation steps, knobs, comm hook)
+    "static+view+no_bcast": (2, 1, [STATIC, VIEW, NO_BCAST], None),
+    "static+accum+unused": (2, 2, [STATIC, "--unused-layer"], None),  # pytorch/pytorch#143580
+    "compile+static+accum+no_bcast": (2, 2, [*COMPILE, STATIC, NO_BCAST, *SMALL_BUCKETS], None),
+    "fp16+static+accum+view": (2, 2, [STATIC, VIEW], "fp16"),
+    "powersgd+compile+view+find": (2, 1, [*SLOW_COMPILE, VIEW, FIND], "powersgd"),
+    "find+unused+no_bcast+view": (3, 1, [FIND, "--unused-layer", NO_BCAST, VIEW], None),
+    "small_buckets+accum+view+no_bcast": (3, 2, [*SMALL_BUCKETS, VIEW, NO_BCAST], None),
+    "bf16+find+no_bcast": (3, 1, [FIND, NO_BCAST], "bf16"),
+}
+
+
+def run_in_same_processes(nproc: int, configs: list[list], timeout: float,
+                          env: dict | None = None) -> list[str]:
+    """Every config's stdout (rank 0), run one after another in the same nproc processes."""
+    payload = json.dumps([{"port": free_port(), "args": [str(a) for a in args]}
+                          for args in configs])
+    cmd = [PYTHON, str(REPO / "tests" / "same_processes.py"), SCRIPT, payload]
+    envs = [{"RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             **(env or {})} for rank in range(nproc)]
+    runs = [r.ok() for r in run_many([cmd] * nproc, timeout, envs)]
+    assert "FutureWarning" not in "".join(r.stderr for r in runs)  # forward_sync_buffers
+    return runs[0].stdout.split("### config ")[1:]
 
 
 @pytest.fixture(scope="module")
-def single_process_weights(tmp_path_factory):
-    cache = {}
+def matrix(tmp_path_factory):
+    """One process: the references (accumulation 1 and 2); then the cells, by process count."""
+    folder = tmp_path_factory.mktemp("matrix")
+    results = {}
+    refs = [[*EQUIV, "--batch-size", GLOBAL_BATCH, "--accum-steps", accum, "--save-model",
+             folder / f"ref{accum}.pt"] for accum in (1, 2)]
+    for accum, out in zip((1, 2), run_in_same_processes(1, refs, 120)):
+        results[f"ref{accum}"] = (out, torch.load(folder / f"ref{accum}.pt", weights_only=True))
+    for nproc in (2, 3):
+        names = [name for name, cell in MATRIX.items() if cell[0] == nproc]
+        configs = [[*EQUIV, "--batch-size", GLOBAL_BATCH // nproc, "--accum-steps", accum,
+                    *knobs, "--comm-hook", hook or "none", "--save-model", folder / f"{name}.pt"]
+                   for name, (_, accum, knobs, hook) in ((n, MATRIX[n]) for n in names)]
+        outs = run_in_same_processes(nproc, configs, 240, env={"SLOW_COMPILE": "1:10"})
+        for name, out in zip(names, outs):
+            results[name] = (out, torch.load(folder / f"{name}.pt", weights_only=True))
+    return results
 
-    def weights(accum: int):
-        if accum not in cache:
-            path = tmp_path_factory.mktemp("ref") / "model.pt"
-            run(SCRIPT, *EQUIV, "--batch-size", GLOBAL_BATCH, "--accum-steps", accum,
-                "--save-model", path).ok()
-            cache[accum] = torch.load(path, weights_only=True)
-        return cache[accum]
 
-    return weights
-
-
-@pytest.mark.parametrize("nproc, accum, knobs", [
-    (2, 1, ["--static-graph", "--gradient-as-bucket-view"]),
-    (3, 1, []),
-    (2, 2, []),
-    (3, 2, ["--bucket-cap-mb", "1"]),
-])
-def test_n_processes_train_exactly_like_one_with_n_times_the_batch(
-        nproc, accum, knobs, single_process_weights, tmp_path):
-    path = tmp_path / "model.pt"
-    r = run(SCRIPT, *EQUIV, "--batch-size", GLOBAL_BATCH // nproc, "--accum-steps", accum,
-            "--save-model", path, *knobs, launcher="torchrun", nproc=nproc).ok()
-    assert f"{24 // accum} steps" in r.stdout
-    distributed = torch.load(path, weights_only=True)
-    reference = single_process_weights(accum)
-    assert distributed.keys() == reference.keys()
+@pytest.mark.parametrize("name", MATRIX)
+def test_knob_combinations_train_like_one_process_with_the_whole_batch(name, matrix):
+    nproc, accum, knobs, hook = MATRIX[name]
+    out, distributed = matrix[name]
+    _, reference = matrix[f"ref{accum}"]
+    assert f"global batch {GLOBAL_BATCH * accum} = {nproc} ranks x" in out
+    assert f"{8 // accum} steps" in out
+    assert int(VERIFIED.search(out)[1]) == nproc  # the script's own replica check
+    if "--compile" in knobs:
+        compiled = re.search(r"^compiled \((\w+)\) in ([\d.]+) s on the slowest rank, "
+                             r"([\d.]+) s on the fastest$", out, re.M)
+        assert compiled and compiled[1] == knobs[knobs.index("--compile") + 1], out
+        if compiled[1] == "slow_aot_eager":  # 10 s of skew, less any jitter of the compiles
+            assert float(compiled[2]) >= 10 and float(compiled[2]) - float(compiled[3]) > 5, out
+    if "--unused-layer" in knobs:  # no gradient, ever; the replica check covers it too
+        assert distributed.pop("unused_layer.weight").shape == (8, 8)
+        distributed.pop("unused_layer.bias")
     assert not any(k.startswith("module.") for k in distributed)  # saved from model.module
+    assert distributed.keys() == reference.keys()
     diff = max((distributed[k] - reference[k]).abs().max().item() for k in reference)
-    moved = max((reference[k] - torch.zeros_like(reference[k])).abs().max().item()
-                for k in reference)
-    assert moved > 0
-    print(f"max abs difference, {nproc} processes vs one, accum {accum}: {diff:.3g}")
-    assert diff < 1e-9, f"max abs difference {diff:.3g} between {nproc} processes and one"
+    print(f"{name}: max abs difference from one process: {diff:.3g}")
+    if hook is None:
+        assert diff < 1e-9, f"{name}: {diff:.3g} from one process with the whole batch"
+    else:  # the hook rounded or approximated the gradients: close, and not equal
+        assert 1e-9 < diff < (1e-2 if hook in ("fp16", "bf16") else 1.0), f"{name}: {diff:.3g}"
 
 
 # --- single runs of the other knobs ----------------------------------------------------------
-TINY = ["--arch", "resnet18", "--image-size", "16", "--train-size", "64", "--val-size", "32",
-        "--batch-size", "16", "--epochs", "1", "--timeout", "60"]
 
 
 def test_bf16_autocast_on_cpu_trains_and_replicas_match():
@@ -105,13 +157,6 @@ def test_bf16_autocast_on_cpu_trains_and_replicas_match():
             env={"ONEDNN_MAX_CPU_ISA": "AVX2"}).ok()
     assert re.search(r"summary: 2 steps, .* train loss [\d.]+ -> [\d.]+", r.stdout)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
-
-
-def test_find_unused_parameters_with_no_broadcast_buffers():
-    r = run(SCRIPT, *TINY, "--find-unused-parameters", "--no-broadcast-buffers",
-            launcher="torchrun", nproc=2).ok()
-    assert int(VERIFIED.search(r.stdout)[1]) == 2
-    assert "FutureWarning" not in r.stderr
 
 
 def test_image_folder_training(tmp_path):
@@ -128,16 +173,6 @@ def test_image_folder_training(tmp_path):
     assert "(11,177,538 params, 2 classes)" in r.stdout
     assert "16 train / 6 val images" in r.stdout
     assert len(re.findall(r"on 6 images", r.stdout)) == 2
-    assert int(VERIFIED.search(r.stdout)[1]) == 2
-
-
-def test_shards_smaller_than_a_batch_train_and_replicas_match():
-    # 40 images over 2 ranks: each rank holds 20, fewer than --batch-size 32, so every
-    # epoch is one short batch per rank, and still one optimizer step
-    r = run(SCRIPT, *TINY[:-4], "--train-size", "40", "--batch-size", "32", "--epochs", "2",
-            launcher="torchrun", nproc=2).ok()
-    assert "global batch 64 = 2 ranks x 32 x 1 accum; 2 steps" in r.stdout
-    assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
 
@@ -165,6 +200,8 @@ def test_unusable_data_is_a_clear_error(tmp_path):
     (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
     (["--amp", "fp16"], "--amp fp16 needs CUDA"),
     (["--sync-bn"], "--sync-bn needs CUDA GPUs: SyncBatchNorm does not run on CPU with Gloo"),
+    (["--compile", "turbo"], "--compile turbo: not a torch.compile backend (try inductor or "),
+    (["--comm-hook", "int8"], "argument --comm-hook: invalid choice: 'int8'"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     if torch.cuda.is_available() and args[0] in ("--amp", "--sync-bn"):
@@ -176,3 +213,36 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
     assert message in err
     if args[0] == "--arch":
         assert "resnet18" in err and "vit_b_16" in err  # the error lists the choices
+
+
+def test_inductor_without_a_cpp_compiler_is_a_usage_error(monkeypatch, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here: inductor compiles with Triton")
+    monkeypatch.setenv("CXX", "/nonexistent/g++")
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--compile"])
+    assert exit_.value.code == 2
+    assert ("--compile inductor on CPU needs a C++ compiler; /nonexistent/g++ is not found"
+            in capsys.readouterr().err)
+
+
+def test_a_compiler_that_fails_is_one_line_per_rank():
+    # CXX exists but cannot compile: inductor fails inside the first forward; the warm-up
+    # turns its long BackendCompilerFailed into one line that names --compile
+    r = run(SCRIPT, *TINY, "--val-size", "0", "--compile", env={"CXX": "/bin/false"}).failed()
+    assert ("[rank 0] error: --compile inductor failed: InvalidCxxCompiler: No working C++ "
+            "compiler found" in r.stderr)
+    assert "Traceback" not in r.stderr
+
+
+def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
+    # The most common DDP error. TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names;
+    # --find-unused-parameters and --static-graph fix it (the matrix above trains with both).
+    r = run(SCRIPT, *TINY, "--unused-layer", launcher="torchrun", nproc=2,
+            env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}).failed()
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] error: RuntimeError: Expected to have finished "
+                         r"reduction in the prior iteration before starting a new one", r.stderr,
+                         re.M), r.stderr
+        assert (f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
+                f"unused_layer.weight") in r.stderr
