@@ -7,6 +7,7 @@ costs one test its deadline instead of costing CI its run.
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import signal
@@ -148,6 +149,22 @@ def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run
                 kill_tree(p)
             raise
     return runs
+
+
+def run_in_same_processes(script: str, nproc: int, configs: list[list], timeout: float,
+                          env: dict | None = None) -> list[str]:
+    """Run the script's main() once per config, one after another, in the same nproc
+    processes (tests/same_processes.py says why and how); returns each config's stdout."""
+    payload = json.dumps([{"port": free_port(), "args": [str(a) for a in args]}
+                          for args in configs])
+    cmd = [PYTHON, str(REPO / "tests" / "same_processes.py"), script, payload]
+    envs = [{"RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
+             **(env or {})} for rank in range(nproc)]
+    runs = [r.ok() for r in run_many([cmd] * nproc, timeout, envs)]
+    assert "FutureWarning" not in "".join(r.stderr for r in runs)  # e.g. a renamed argument
+    outputs = runs[0].stdout.split("### config ")[1:]
+    assert len(outputs) == len(configs), runs[0]
+    return outputs
 
 
 class Watched:

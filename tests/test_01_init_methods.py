@@ -47,7 +47,7 @@ def test_single_process_is_a_world_of_one():
     assert_one_node_job(r.stdout, 1)
 
 
-@pytest.mark.parametrize("nproc", [1, 2, 3])
+@pytest.mark.parametrize("nproc", [1, 3])  # 2: by spawn with tcp:// and by hand, below
 def test_torchrun_ranks_and_collectives(nproc):
     r = run(SCRIPT, launcher="torchrun", nproc=nproc).ok()
     assert_one_node_job(r.stdout, nproc)

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from launch import run
+from launch import load_script, run, run_in_same_processes
 
 SCRIPT = "02_sampler.py"
 
@@ -29,23 +29,50 @@ CASES = [  # launcher, world size, dataset size, shuffle, drop_last, workers, ep
     ("single", 1, 7, True, False, 0, 2),
     ("torchrun", 2, 10, True, False, 2, 3),
     ("spawn", 2, 10, True, False, 2, 3),       # the same job as above, other launcher
-    ("spawn", 3, 10, True, True, 0, 2),
-    ("torchrun", 3, 11, False, False, 0, 2),
-    ("torchrun", 4, 3, True, False, 2, 2),     # fewer samples than ranks
-    ("spawn", 4, 3, True, True, 0, 2),         # ... with drop_last: nobody gets anything
-    ("torchrun", 3, 1, True, False, 0, 2),     # one sample
+    ("shared", 3, 10, True, True, 0, 2),
+    ("shared", 3, 11, False, False, 0, 2),
+    ("shared", 4, 3, True, False, 2, 2),       # fewer samples than ranks
+    ("shared", 4, 3, True, True, 0, 2),        # ... with drop_last: nobody gets anything
+    ("shared", 3, 1, True, False, 0, 2),       # one sample
 ]
+# "shared": the cases of one world size run one after another in the same processes
+# (tests/same_processes.py), each the script's own main() over a fresh process group; the
+# launchers themselves are proven by the first three cases.
 dumps = {}
+
+
+def case_args(n, shuffle, drop_last, workers, epochs, path) -> list:
+    return ["--dataset-size", n, "--epochs", epochs, "--num-workers", workers,
+            "--batch-size", 4, "--seed", 7, "--dump-indices", path, "--timeout", 60,
+            "--shuffle" if shuffle else "--no-shuffle"] + (["--drop-last"] if drop_last else [])
+
+
+@pytest.fixture(scope="module")
+def shared_runs(tmp_path_factory):
+    """stdout and dump path of every "shared" case, and of the table runs, by world size."""
+    folder, done = tmp_path_factory.mktemp("shared"), {}
+    for w in (3, 4):
+        cases = [c for c in CASES if c[0] == "shared" and c[1] == w]
+        configs = [case_args(*c[2:], folder / f"{w}-{i}.json") for i, c in enumerate(cases)]
+        if w == 3:  # test_table_marks_padding_and_drops
+            configs += [["--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra]
+                        for extra in ([], ["--drop-last"])]
+        outs = run_in_same_processes(SCRIPT, w, configs, 180)
+        for i, (case, out) in enumerate(zip(cases, outs)):
+            done[case] = out, folder / f"{w}-{i}.json"
+        done["table"] = outs[len(cases):] if w == 3 else done.get("table")
+    return done
 
 
 @pytest.mark.parametrize("launcher, w, n, shuffle, drop_last, workers, epochs", CASES)
 def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last, workers,
-                                             epochs, tmp_path):
-    path = tmp_path / "dump.json"
-    args = ["--dataset-size", n, "--epochs", epochs, "--num-workers", workers,
-            "--batch-size", 4, "--seed", 7, "--dump-indices", path, "--timeout", 60,
-            "--shuffle" if shuffle else "--no-shuffle"] + (["--drop-last"] if drop_last else [])
-    r = run(SCRIPT, *args, launcher=launcher, nproc=w).ok()
+                                             epochs, tmp_path, shared_runs):
+    if launcher == "shared":
+        stdout, path = shared_runs[(launcher, w, n, shuffle, drop_last, workers, epochs)]
+    else:
+        path = tmp_path / "dump.json"
+        args = case_args(n, shuffle, drop_last, workers, epochs, path)
+        stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
     dump = json.loads(path.read_text())
     assert dump["world_size"] == w and dump["dataset_size"] == n
     for epoch in range(epochs):
@@ -53,7 +80,7 @@ def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last,
         got = [dump["epochs"][str(epoch)][str(rank)] for rank in range(w)]
         assert got == expected, f"epoch {epoch}"
     per_rank = n // w if drop_last else math.ceil(n / w)
-    last = r.stdout.strip().splitlines()[-1]
+    last = stdout.strip().splitlines()[-1]
     assert last.startswith(f"verified: {w} rank(s) x {per_rank} samples per epoch; ")
     if drop_last:
         dropped = n % w if n >= w else n
@@ -73,13 +100,10 @@ def test_augmentation_draws_are_reproducible_across_launchers():
     assert len(streams) == 2 * 2 * 3 and len(set(streams)) == len(streams)
 
 
-def test_table_marks_padding_and_drops():
-    r = run(SCRIPT, "--dataset-size", 5, "--no-shuffle", "--epochs", 1, launcher="torchrun",
-            nproc=3).ok()
-    assert "  rank 0: 0 3\n  rank 1: 1 4\n  rank 2: 2 0*\n" in r.stdout
-    r = run(SCRIPT, "--dataset-size", 5, "--no-shuffle", "--epochs", 1, "--drop-last",
-            launcher="torchrun", nproc=3).ok()
-    assert "  rank 0: 0\n  rank 1: 1\n  rank 2: 2\n  dropped: 3 4\n" in r.stdout
+def test_table_marks_padding_and_drops(shared_runs):
+    padded, dropped = shared_runs["table"]  # 5 samples, 3 ranks, no shuffle
+    assert "  rank 0: 0 3\n  rank 1: 1 4\n  rank 2: 2 0*\n" in padded
+    assert "  rank 0: 0\n  rank 1: 1\n  rank 2: 2\n  dropped: 3 4\n" in dropped
 
 
 def test_forgetting_set_epoch_repeats_the_order_and_says_so(tmp_path):
@@ -93,7 +117,8 @@ def test_forgetting_set_epoch_repeats_the_order_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("size", ["0", "-4"])
-def test_empty_or_negative_dataset_is_a_usage_error(size):
-    r = run(SCRIPT, "--dataset-size", size, timeout=30)
-    assert r.returncode == 2
-    assert f"--dataset-size: must be >= 1, got {size}" in r.stderr
+def test_empty_or_negative_dataset_is_a_usage_error(size, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--dataset-size", size])
+    assert exit_.value.code == 2
+    assert f"--dataset-size: must be >= 1, got {size}" in capsys.readouterr().err
