@@ -7,32 +7,46 @@ import re
 
 import pytest
 
-from launch import load_script, run
+from launch import load_script, run, run_in_same_processes
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
 results: dict = {}
 
 
-def evaluate(tmp_path, launcher, w, n, *extra):
-    metrics, predictions = tmp_path / "metrics.json", tmp_path / "predictions.csv"
-    r = run(SCRIPT, "--val-size", n, "--metrics-json", metrics, "--predictions", predictions,
-            *COMMON, *extra, launcher=launcher, nproc=w).ok()
-    return r, json.loads(metrics.read_text()), predictions.read_text()
+def outputs(folder, n):
+    return ["--val-size", n, "--metrics-json", folder / f"metrics{n}.json", "--predictions",
+            folder / f"predictions{n}.csv", *COMMON]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The world-size-4 evaluations, one after another in the same 4 processes
+    (tests/same_processes.py); launchers are proven by the other cases and by the next test."""
+    folder = tmp_path_factory.mktemp("shared")
+    out = run_in_same_processes(SCRIPT, 4, [outputs(folder, n) for n in (103, 3)], 120)
+    return folder, dict(zip((103, 3), out))
 
 
 @pytest.mark.parametrize("launcher, w, n", [
-    ("single", 1, 103), ("spawn", 3, 103), ("torchrun", 4, 103),
-    ("single", 1, 3), ("spawn", 4, 3),
+    ("single", 1, 103), ("spawn", 3, 103), ("shared", 4, 103),
+    ("single", 1, 3), ("shared", 4, 3),
 ])
-def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
-    r, metrics, predictions = evaluate(tmp_path, launcher, w, n)
+def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path, request):
+    if launcher == "shared":
+        folder, stdouts = request.getfixturevalue("shared")
+        stdout = stdouts[n]
+    else:
+        folder = tmp_path
+        stdout = run(SCRIPT, *outputs(folder, n), launcher=launcher, nproc=w).ok().stdout
+    metrics = json.loads((folder / f"metrics{n}.json").read_text())
+    predictions = (folder / f"predictions{n}.csv").read_text()
     assert metrics["num_samples"] == n
     assert sum(metrics["per_class_total"]) == n
     assert sum(metrics["per_class_correct"]) == metrics["correct"]
     assert predictions.splitlines()[0] == "index,label,prediction"
     assert [int(line.split(",")[0]) for line in predictions.splitlines()[1:]] == list(range(n))
-    assert r.stdout.strip().splitlines()[-1] == \
+    assert stdout.strip().splitlines()[-1] == \
         f"verified: {n} samples counted once, all_gather agrees with all_reduce"
     if w == 1:
         results[n] = (metrics, predictions)
@@ -43,7 +57,7 @@ def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
     assert metrics["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert predictions == alone_predictions
     padded = w * -(-n // w)
-    assert f"(DistributedSampler pads {padded - n} repeat(s)" in r.stdout
+    assert f"(DistributedSampler pads {padded - n} repeat(s)" in stdout
 
 
 def test_checkpoint_from_03_scores_what_03_reported(tmp_path):

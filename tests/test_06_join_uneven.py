@@ -3,13 +3,36 @@
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import pytest
 import torch
 
-from launch import load_script, run
+from launch import load_script, run, run_in_same_processes
 
 SCRIPT = "06_join_uneven.py"
+
+
+@dataclass
+class Output:
+    stdout: str  # rank 0's, like a launch's
+
+
+# Three jobs of 3 ranks that must succeed run one after another in the same 3 processes
+# (tests/same_processes.py): each is the script's own main() over a fresh process group.
+# The launchers themselves are proven by the torchrun and spawn launches below.
+SHARED = {
+    ("join", "6,3,0"): ["--divide-by-initial-world-size"],
+    ("join-counter", "4,1,0"): ["--batch-size", 3],
+    ("join", "5,2,4"): ["--nonfinite-at", "2:1"],
+}
+
+
+@pytest.fixture(scope="module")
+def shared():
+    configs = [["--mode", mode, "--batches-per-rank", counts, *extra, "--timeout", 30]
+               for (mode, counts), extra in SHARED.items()]
+    return dict(zip(SHARED, run_in_same_processes(SCRIPT, 3, configs, 120)))
 
 
 def weight(stdout: str) -> float:
@@ -17,13 +40,16 @@ def weight(stdout: str) -> float:
 
 
 @pytest.mark.parametrize("launcher, counts, divide", [
-    ("torchrun", "6,3,0", "--divide-by-initial-world-size"),
+    ("shared", "6,3,0", "--divide-by-initial-world-size"),
     ("spawn", "2,5", "--no-divide-by-initial-world-size"),
 ])
-def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide):
+def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide, request):
     n = [int(c) for c in counts.split(",")]
-    r = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide, "--timeout", 30,
-            launcher=launcher, nproc=len(n)).ok()
+    if launcher == "shared":
+        r = Output(request.getfixturevalue("shared")[("join", counts)])
+    else:
+        r = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide, "--timeout", 30,
+                launcher=launcher, nproc=len(n)).ok()
     assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in r.stdout
     assert f"{sum(n)} gradients and the final weight match the closed form" in r.stdout
     # Independently: rank r feeds r + 1, so a step's gradient is the sum of batch * (r + 1)
@@ -37,9 +63,8 @@ def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, d
     assert weight(r.stdout) == pytest.approx(w, abs=2e-6)
 
 
-def test_generic_join_shadows_a_custom_joinable():
-    r = run(SCRIPT, "--mode", "join-counter", "--batches-per-rank", "4,1,0", "--batch-size", 3,
-            "--timeout", 30, launcher="torchrun", nproc=3).ok()
+def test_generic_join_shadows_a_custom_joinable(shared):
+    r = Output(shared[("join-counter", "4,1,0")])
     assert "the SampleCounter counted 15 samples on every rank" in r.stdout
     assert "5 gradients and the final weight match the closed form" in r.stdout
 
@@ -61,11 +86,14 @@ def test_throw_stops_every_rank_at_the_shortest_length():
     ("join", "5,2,4", "2:1"),          # rank 2's loss at step 1, while all three are active
     ("join-counter", "2,5,0,4", "1:3"),  # at step 3: ranks 1, 3 active, 0 and 2 joined
 ])
-def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad):
+def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad, request):
     n = [int(c) for c in counts.split(",")]
     bad_rank, bad_step = map(int, bad.split(":"))
-    r = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
-            "--timeout", 30, launcher="torchrun", nproc=len(n)).ok()
+    if (mode, counts) in SHARED:
+        r = Output(request.getfixturevalue("shared")[(mode, counts)])
+    else:
+        r = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
+                "--timeout", 30, launcher="torchrun", nproc=len(n)).ok()
     active = [rank for rank, c in enumerate(n) if c > bad_step]
     assert (f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
             f"{len(active)} active ranks, its update left out") in r.stdout
