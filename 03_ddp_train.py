@@ -212,11 +212,12 @@ def compile_warm_up(model: DDP, args: argparse.Namespace, d: Dist) -> list[float
             loss.backward()
     except torch._dynamo.exc.BackendCompilerFailed as e:  # its first line, not 200
         raise SetupError(f"--compile {args.compile} failed: {str(e).splitlines()[0]}") from e
-    every_rank = [clock(d) - start] * d.world_size
+    seconds = clock(d) - start
     model.zero_grad(set_to_none=True)
     for buffer, value in zip(model.module.buffers(), saved):
         buffer.copy_(value)
-    dist.all_gather_object(every_rank, every_rank[0], group=patient)
+    every_rank = [0.0] * d.world_size
+    dist.all_gather_object(every_rank, seconds, group=patient)
     dist.destroy_process_group(patient)
     return every_rank
 
