@@ -6,8 +6,8 @@ Each configuration is a whole run of the script's own parse_args() and main(): a
 group over env:// on a port of its own, DDP, training, the script's checks, then
 destroy_process_group() and a reset of torch.compile's caches. How processes start is not
 what a matrix cell tests; the scripts' own launch tests (torchrun, --spawn, one process)
-cover that. Started by tests/test_03_ddp_train.py as N processes with RANK, WORLD_SIZE and
-MASTER_ADDR set:
+cover that. Started by launch.run_in_same_processes (03's knob matrix, and cases of 02, 05
+and 06) as N processes with RANK, WORLD_SIZE and MASTER_ADDR set:
 
   python tests/same_processes.py SCRIPT '[{"port": 29500, "args": ["--epochs", "1"]}, ...]'
 

@@ -49,26 +49,27 @@ def case_args(n, shuffle, drop_last, workers, epochs, path) -> list:
 
 @pytest.fixture(scope="module")
 def shared_runs(tmp_path_factory):
-    """stdout and dump path of every "shared" case, and of the table runs, by world size."""
+    """stdout and dump path of every "shared" case; "table": the two padding-table runs."""
     folder, done = tmp_path_factory.mktemp("shared"), {}
+    tables = [["--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra]
+              for extra in ([], ["--drop-last"])]  # test_table_marks_padding_and_drops
     for w in (3, 4):
         cases = [c for c in CASES if c[0] == "shared" and c[1] == w]
         configs = [case_args(*c[2:], folder / f"{w}-{i}.json") for i, c in enumerate(cases)]
-        if w == 3:  # test_table_marks_padding_and_drops
-            configs += [["--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra]
-                        for extra in ([], ["--drop-last"])]
-        outs = run_in_same_processes(SCRIPT, w, configs, 180)
+        outs = run_in_same_processes(SCRIPT, w, configs + (tables if w == 3 else []), 180)
         for i, (case, out) in enumerate(zip(cases, outs)):
             done[case] = out, folder / f"{w}-{i}.json"
-        done["table"] = outs[len(cases):] if w == 3 else done.get("table")
+        if w == 3:
+            done["table"] = outs[len(cases):]
     return done
 
 
 @pytest.mark.parametrize("launcher, w, n, shuffle, drop_last, workers, epochs", CASES)
 def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last, workers,
-                                             epochs, tmp_path, shared_runs):
+                                             epochs, tmp_path, request):
     if launcher == "shared":
-        stdout, path = shared_runs[(launcher, w, n, shuffle, drop_last, workers, epochs)]
+        stdout, path = request.getfixturevalue("shared_runs")[
+            (launcher, w, n, shuffle, drop_last, workers, epochs)]
     else:
         path = tmp_path / "dump.json"
         args = case_args(n, shuffle, drop_last, workers, epochs, path)

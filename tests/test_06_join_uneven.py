@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -11,11 +10,6 @@ import torch
 from launch import load_script, run, run_in_same_processes
 
 SCRIPT = "06_join_uneven.py"
-
-
-@dataclass
-class Output:
-    stdout: str  # rank 0's, like a launch's
 
 
 # Three jobs of 3 ranks that must succeed run one after another in the same 3 processes
@@ -46,12 +40,12 @@ def weight(stdout: str) -> float:
 def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide, request):
     n = [int(c) for c in counts.split(",")]
     if launcher == "shared":
-        r = Output(request.getfixturevalue("shared")[("join", counts)])
+        stdout = request.getfixturevalue("shared")[("join", counts)]
     else:
-        r = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide, "--timeout", 30,
-                launcher=launcher, nproc=len(n)).ok()
-    assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in r.stdout
-    assert f"{sum(n)} gradients and the final weight match the closed form" in r.stdout
+        stdout = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
+                     "--timeout", 30, launcher=launcher, nproc=len(n)).ok().stdout
+    assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in stdout
+    assert f"{sum(n)} gradients and the final weight match the closed form" in stdout
     # Independently: rank r feeds r + 1, so a step's gradient is the sum of batch * (r + 1)
     # over the active ranks, divided by all ranks or by the active ones.
     torch.manual_seed(0)
@@ -60,13 +54,13 @@ def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, d
         active = [rank for rank, c in enumerate(n) if c > step]
         w -= 0.01 * sum(2 * (rank + 1) for rank in active) / (
             len(n) if divide.startswith("--divide") else len(active))
-    assert weight(r.stdout) == pytest.approx(w, abs=2e-6)
+    assert weight(stdout) == pytest.approx(w, abs=2e-6)
 
 
 def test_generic_join_shadows_a_custom_joinable(shared):
-    r = Output(shared[("join-counter", "4,1,0")])
-    assert "the SampleCounter counted 15 samples on every rank" in r.stdout
-    assert "5 gradients and the final weight match the closed form" in r.stdout
+    stdout = shared[("join-counter", "4,1,0")]
+    assert "the SampleCounter counted 15 samples on every rank" in stdout
+    assert "5 gradients and the final weight match the closed form" in stdout
 
 
 def test_throw_stops_every_rank_at_the_shortest_length():
@@ -90,24 +84,24 @@ def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad, r
     n = [int(c) for c in counts.split(",")]
     bad_rank, bad_step = map(int, bad.split(":"))
     if (mode, counts) in SHARED:
-        r = Output(request.getfixturevalue("shared")[(mode, counts)])
+        stdout = request.getfixturevalue("shared")[(mode, counts)]
     else:
-        r = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
-                "--timeout", 30, launcher="torchrun", nproc=len(n)).ok()
+        stdout = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
+                     "--timeout", 30, launcher="torchrun", nproc=len(n)).ok().stdout
     active = [rank for rank, c in enumerate(n) if c > bad_step]
     assert (f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
-            f"{len(active)} active ranks, its update left out") in r.stdout
+            f"{len(active)} active ranks, its update left out") in stdout
     # every active rank's gradient was checked on every step but the skipped one
-    assert f"{sum(n) - len(active)} gradients and the final weight match" in r.stdout
+    assert f"{sum(n) - len(active)} gradients and the final weight match" in stdout
     torch.manual_seed(0)
     w = torch.nn.Linear(1, 1, bias=False).weight.item()
     for step in range(max(n)):
         if step != bad_step:
             w -= 0.01 * sum(2 * (rank + 1) for rank, c in enumerate(n) if c > step) / len(n)
-    assert weight(r.stdout) == pytest.approx(w, abs=2e-6)
+    assert weight(stdout) == pytest.approx(w, abs=2e-6)
     if mode == "join-counter":
         applied = sum(2 for s in range(max(n)) if s != bad_step for c in n if c > s)
-        assert f"the SampleCounter counted {applied} samples on every rank" in r.stdout
+        assert f"the SampleCounter counted {applied} samples on every rank" in stdout
 
 
 def test_without_join_the_uneven_end_is_named_on_every_rank():
