@@ -7,13 +7,14 @@ costs one test its deadline instead of costing CI its run.
 
 from __future__ import annotations
 
-import json
 import os
 import queue
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -23,6 +24,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+# what a launcher sets; a test decides the launcher, not the outer shell
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+               "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_USE_AGENT_STORE")
 
 
 @dataclass
@@ -71,7 +76,8 @@ def _descendants(pid: int) -> list[int]:
     return found
 
 
-def kill_tree(proc: subprocess.Popen) -> None:
+def kill_tree(proc) -> None:
+    """SIGKILL a process (a Popen or a multiprocessing Process) and all its descendants."""
     for pid in _descendants(proc.pid) + [proc.pid]:
         try:
             os.kill(pid, signal.SIGKILL)
@@ -89,10 +95,9 @@ def start(cmd: list[str], env: dict | None = None, gpu: bool = False) -> subproc
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if not gpu:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
-    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                 "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT"):
+    for name in LAUNCH_VARS:
         if env is None or name not in env:
-            full_env.pop(name, None)  # a test decides the launcher, not the outer shell
+            full_env.pop(name, None)
     return subprocess.Popen(cmd, cwd=REPO, env=full_env, text=True, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, start_new_session=True)
 
@@ -151,20 +156,93 @@ def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run
     return runs
 
 
-def run_in_same_processes(script: str, nproc: int, configs: list[list], timeout: float,
-                          env: dict | None = None) -> list[str]:
-    """Run the script's main() once per config, one after another, in the same nproc
-    processes (tests/same_processes.py says why and how); returns each config's stdout."""
-    payload = json.dumps([{"port": free_port(), "args": [str(a) for a in args]}
-                          for args in configs])
-    cmd = [PYTHON, str(REPO / "tests" / "same_processes.py"), script, payload]
-    envs = [{"RANK": str(rank), "WORLD_SIZE": str(nproc), "MASTER_ADDR": "127.0.0.1",
-             **(env or {})} for rank in range(nproc)]
-    runs = [r.ok() for r in run_many([cmd] * nproc, timeout, envs)]
-    assert "FutureWarning" not in "".join(r.stderr for r in runs)  # e.g. a renamed argument
-    outputs = runs[0].stdout.split("### config ")[1:]
-    assert len(outputs) == len(configs), runs[0]
-    return outputs
+_forkserver = None
+
+
+def _forkserver_context():
+    """A multiprocessing forkserver that has imported tests/forked.py (torch, torchvision and
+    the six scripts), started once per test session, with CUDA hidden: the CPU lane."""
+    global _forkserver
+    if _forkserver is None:
+        import multiprocessing.forkserver
+
+        context = multiprocessing.get_context("forkserver")
+        context.set_forkserver_preload(["forked"])
+        # The server's environment, from its start on: the CPU lane's, and this folder on
+        # its path (Python 3.11's forkserver ignores the sys.path it is given).
+        server_env = {"CUDA_VISIBLE_DEVICES": "",
+                      "PYTHONPATH": os.pathsep.join(filter(None, [
+                          str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+        saved = {name: os.environ.get(name) for name in server_env}
+        os.environ.update(server_env)
+        try:
+            multiprocessing.forkserver.ensure_running()
+        finally:
+            for name, value in saved.items():
+                if value is None:
+                    del os.environ[name]
+                else:
+                    os.environ[name] = value
+        _forkserver = context
+    return _forkserver
+
+
+def _forked_rank(*args) -> None:
+    import forked  # already imported by the forkserver this process was forked from
+
+    forked.child(*args)
+
+
+def forked(script: str, *args, nproc: int = 1, timeout: float = 120,
+           env: dict | None = None) -> Run:
+    """Run the script in nproc fresh processes forked from one that has imported torch,
+    torchvision and the scripts (tests/forked.py says why): with nproc 1 as `python script`
+    would, else as torchrun's workers would, on env://. Every rank runs to its own end (a
+    rank whose peer failed ends in its own error, or at its --timeout); the returncode is the
+    first non-zero exit code in rank order, else 0. stdout and stderr are every rank's, in
+    rank order."""
+    context = _forkserver_context()
+    argv = [str(a) for a in args]
+    cmd = [f"forked x{nproc}:", script, *argv]
+    folder = Path(tempfile.mkdtemp(prefix="forked-"))
+    ranks, port = {}, str(free_port())
+    if nproc > 1:  # one process: no launcher's variables, as for `python script.py`
+        ranks = {rank: dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=port) for rank in range(nproc)}
+    started = time.monotonic()
+    base = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
+    base.update(CUDA_VISIBLE_DEVICES="", **(env or {}))
+    procs = [context.Process(target=_forked_rank, args=(
+        script, argv, {**base, **ranks.get(rank, {})}, str(folder / f"{rank}.out"),
+        str(folder / f"{rank}.err"))) for rank in range(nproc)]
+
+    def result(code: int) -> Run:
+        read = lambda suffix: "".join((folder / f"{rank}.{suffix}").read_text()
+                                      for rank in range(nproc)
+                                      if (folder / f"{rank}.{suffix}").exists())
+        return Run(cmd, code, read("out"), read("err"), time.monotonic() - started)
+
+    try:
+        for proc in procs:
+            proc.start()
+        for proc in procs:
+            proc.join(max(0.0, started + timeout - time.monotonic()))
+        if any(proc.exitcode is None for proc in procs):
+            for proc in procs:
+                if proc.exitcode is None:
+                    kill_tree(proc)
+            pytest.fail(f"forked run timed out after {timeout}s and was killed:\n"
+                        f"{result(-9)}")
+    finally:
+        for proc in procs:
+            if proc.pid is not None and proc.exitcode is None:
+                kill_tree(proc)
+                proc.join()
+    code = next((proc.exitcode for proc in procs if proc.exitcode != 0), 0)
+    run_ = result(code)
+    shutil.rmtree(folder, ignore_errors=True)
+    return run_
 
 
 class Watched:

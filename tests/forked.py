@@ -1,0 +1,56 @@
+"""The far side of launch.forked(): imported once, by a multiprocessing forkserver that the
+test session starts; every forked run's processes are copies of it.
+
+Importing it pays the start-up a fresh launch pays every time (about 5 s of `import torch,
+torchvision` per process on a 2-core CPU, more than most runs' work): torch, torchvision and
+the six scripts are loaded here, once. child() is then what each forked rank runs: the
+script's own parse_args() and launch(), as its `__main__` block would, in a fresh process
+whose stdout and stderr go to files. How processes are started is what the launcher tests
+prove (real torchrun, mp.spawn and plain `python script.py` launches); a forked rank is a
+real, separate process with its own process group over env://, like a torchrun worker.
+
+SLOW_COMPILE=R:S registers a torch.compile backend, slow_aot_eager: aot_eager, which on rank R
+first sleeps S seconds. It makes a real compile-time skew between ranks, as a slower node or a
+cold compile cache would.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torchvision  # noqa: F401  (imported here so that no forked run pays for it)
+
+from launch import REPO, load_script
+
+SCRIPTS = {path.name: load_script(path.name) for path in sorted(REPO.glob("0*.py"))}
+
+
+def register_slow_backend() -> None:
+    slow_rank, seconds = os.environ.get("SLOW_COMPILE", "-1:0").split(":")
+    delay = [float(seconds) if os.environ.get("RANK", "0") == slow_rank else 0.0]
+
+    @torch._dynamo.register_backend
+    def slow_aot_eager(graph, example_inputs):
+        time.sleep(delay.pop() if delay else 0.0)  # once: the first (sub)graph compiled
+        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+
+
+def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
+    for fd, path in ((1, out), (2, err)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
+    # as PYTHONUNBUFFERED=1 does for a launch: a rank that is killed has written its lines
+    sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
+    os.environ.clear()  # the environment a launch from the test would have, not the server's
+    os.environ.update(env)
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read when torch is imported
+    if "SLOW_COMPILE" in env:
+        register_slow_backend()
+    module = SCRIPTS[script]
+    sys.argv = [str(REPO / script), *argv]
+    module.launch(module.main, module.parse_args(argv))  # ends the process (run_rank)
