@@ -193,11 +193,12 @@ def _forked_rank(*args) -> None:
     forked.child(*args)
 
 
-def forked(script: str, *args, nproc: int = 1, timeout: float = 120,
+def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float = 120,
            env: dict | None = None) -> Run:
     """Run the script in nproc fresh processes forked from one that has imported torch,
     torchvision and the scripts (tests/forked.py says why): with nproc 1 as `python script`
-    would, else as torchrun's workers would, on env://. Every rank runs to its own end (a
+    would, else as torchrun's workers would, on env:// (as nnodes nodes of nproc / nnodes
+    processes, local ranks and node ranks included). Every rank runs to its own end (a
     rank whose peer failed ends in its own error, or at its --timeout); the returncode is the
     first non-zero exit code in rank order, else 0. stdout and stderr are every rank's, in
     rank order."""
@@ -207,8 +208,10 @@ def forked(script: str, *args, nproc: int = 1, timeout: float = 120,
     folder = Path(tempfile.mkdtemp(prefix="forked-"))
     ranks, port = {}, str(free_port())
     if nproc > 1:  # one process: no launcher's variables, as for `python script.py`
-        ranks = {rank: dict(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1",
+        per_node = nproc // nnodes
+        ranks = {rank: dict(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
+                            GROUP_RANK=str(rank // per_node), WORLD_SIZE=str(nproc),
+                            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=port) for rank in range(nproc)}
     started = time.monotonic()
     base = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
