@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from launch import load_script, run, run_in_same_processes
+from launch import forked, load_script, run
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
@@ -19,25 +19,15 @@ def outputs(folder, n):
             folder / f"predictions{n}.csv", *COMMON]
 
 
-@pytest.fixture(scope="module")
-def shared(tmp_path_factory):
-    """The world-size-4 evaluations, one after another in the same 4 processes
-    (tests/same_processes.py); launchers are proven by the other cases and by the next test."""
-    folder = tmp_path_factory.mktemp("shared")
-    out = run_in_same_processes(SCRIPT, 4, [outputs(folder, n) for n in (103, 3)], 120)
-    return folder, dict(zip((103, 3), out))
-
-
-@pytest.mark.parametrize("launcher, w, n", [
-    ("single", 1, 103), ("spawn", 3, 103), ("shared", 4, 103),
-    ("single", 1, 3), ("shared", 4, 3),
+@pytest.mark.parametrize("launcher, w, n", [  # forked: launch.forked
+    ("forked", 1, 103), ("spawn", 3, 103), ("forked", 4, 103),
+    ("forked", 1, 3), ("forked", 4, 3),
 ])
-def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path, request):
-    if launcher == "shared":
-        folder, stdouts = request.getfixturevalue("shared")
-        stdout = stdouts[n]
+def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
+    folder = tmp_path
+    if launcher == "forked":
+        stdout = forked(SCRIPT, *outputs(folder, n), nproc=w).ok().stdout
     else:
-        folder = tmp_path
         stdout = run(SCRIPT, *outputs(folder, n), launcher=launcher, nproc=w).ok().stdout
     metrics = json.loads((folder / f"metrics{n}.json").read_text())
     predictions = (folder / f"predictions{n}.csv").read_text()
@@ -62,9 +52,9 @@ def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path, request)
 
 def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
     checkpoint = tmp_path / "model.pt"
-    trained = run("03_ddp_train.py", "--image-size", "16", "--train-size", "256",
-                  "--val-size", "50", "--batch-size", "32", "--epochs", "1",
-                  "--save-model", checkpoint).ok()
+    trained = forked("03_ddp_train.py", "--image-size", "16", "--train-size", "256",
+                     "--val-size", "50", "--batch-size", "32", "--epochs", "1",
+                     "--save-model", checkpoint).ok()
     reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 50 images", trained.stdout)
     r = run(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON,
             launcher="torchrun", nproc=3).ok()
@@ -85,7 +75,7 @@ def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
             ("/nonexistent/model.pt", "--checkpoint /nonexistent/model.pt: no such file"),
             (text, f"--checkpoint {text}: torch.load cannot read it ("),
             (tensor, f"--checkpoint {tensor}: not a state_dict (a dict of tensors)")]:
-        r = run(SCRIPT, "--checkpoint", path, "--val-size", 8, *COMMON).failed()
+        r = forked(SCRIPT, "--checkpoint", path, "--val-size", 8, *COMMON).failed()
         assert f"[rank 0] error: {message}" in r.stderr
         assert "Traceback" not in r.stderr
 
@@ -96,7 +86,7 @@ def test_checkpoint_with_other_class_count_names_the_mismatch(tmp_path):
 
     checkpoint = tmp_path / "five.pt"
     torch.save(torchvision.models.get_model("resnet18", num_classes=5).state_dict(), checkpoint)
-    r = run(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, *COMMON).failed()
+    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, *COMMON).failed()
     assert (f"[rank 0] error: --checkpoint {checkpoint} does not fit --arch resnet18 with 10 "
             f"classes: fc.weight is (5, 512) in the file, (10, 512) in the model") in r.stderr
 
