@@ -7,43 +7,25 @@ import re
 import pytest
 import torch
 
-from launch import load_script, run, run_in_same_processes
+from launch import forked, load_script, run
 
 SCRIPT = "06_join_uneven.py"
-
-
-# Three jobs of 3 ranks that must succeed run one after another in the same 3 processes
-# (tests/same_processes.py): each is the script's own main() over a fresh process group.
-# The launchers themselves are proven by the torchrun and spawn launches below.
-SHARED = {
-    ("join", "6,3,0"): ["--divide-by-initial-world-size"],
-    ("join-counter", "4,1,0"): ["--batch-size", 3],
-    ("join", "5,2,4"): ["--nonfinite-at", "2:1"],
-}
-
-
-@pytest.fixture(scope="module")
-def shared():
-    configs = [["--mode", mode, "--batches-per-rank", counts, *extra, "--timeout", 30]
-               for (mode, counts), extra in SHARED.items()]
-    return dict(zip(SHARED, run_in_same_processes(SCRIPT, 3, configs, 120)))
 
 
 def weight(stdout: str) -> float:
     return float(re.search(r"hold identical weights \((-?[\d.]+)\)", stdout)[1])
 
 
-@pytest.mark.parametrize("launcher, counts, divide", [
-    ("shared", "6,3,0", "--divide-by-initial-world-size"),
+@pytest.mark.parametrize("launcher, counts, divide", [  # forked: launch.forked
+    ("forked", "6,3,0", "--divide-by-initial-world-size"),
     ("spawn", "2,5", "--no-divide-by-initial-world-size"),
 ])
-def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide, request):
+def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide):
     n = [int(c) for c in counts.split(",")]
-    if launcher == "shared":
-        stdout = request.getfixturevalue("shared")[("join", counts)]
-    else:
-        stdout = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
-                     "--timeout", 30, launcher=launcher, nproc=len(n)).ok().stdout
+    start = forked if launcher == "forked" else run
+    kwargs = {} if launcher == "forked" else {"launcher": launcher}
+    stdout = start(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
+                   "--timeout", 30, nproc=len(n), **kwargs).ok().stdout
     assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in stdout
     assert f"{sum(n)} gradients and the final weight match the closed form" in stdout
     # Independently: rank r feeds r + 1, so a step's gradient is the sum of batch * (r + 1)
@@ -57,15 +39,16 @@ def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, d
     assert weight(stdout) == pytest.approx(w, abs=2e-6)
 
 
-def test_generic_join_shadows_a_custom_joinable(shared):
-    stdout = shared[("join-counter", "4,1,0")]
+def test_generic_join_shadows_a_custom_joinable():
+    stdout = forked(SCRIPT, "--mode", "join-counter", "--batches-per-rank", "4,1,0",
+                    "--batch-size", 3, "--timeout", 30, nproc=3).ok().stdout
     assert "the SampleCounter counted 15 samples on every rank" in stdout
     assert "5 gradients and the final weight match the closed form" in stdout
 
 
 def test_throw_stops_every_rank_at_the_shortest_length():
-    r = run(SCRIPT, "--mode", "throw", "--batches-per-rank", "5,2,4", "--timeout", 30,
-            launcher="spawn", nproc=3).ok()
+    r = forked(SCRIPT, "--mode", "throw", "--batches-per-rank", "5,2,4", "--timeout", 30,
+               nproc=3).ok()
     assert "rank 0 caught: Detected at least one rank that exhausted inputs." in r.stdout
     assert "steps per rank: 0: 2, 1: 2, 2: 2" in r.stdout
     assert r.stdout.strip().endswith("all ranks stopped after 2 step(s)")
@@ -80,14 +63,11 @@ def test_throw_stops_every_rank_at_the_shortest_length():
     ("join", "5,2,4", "2:1"),          # rank 2's loss at step 1, while all three are active
     ("join-counter", "2,5,0,4", "1:3"),  # at step 3: ranks 1, 3 active, 0 and 2 joined
 ])
-def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad, request):
+def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad):
     n = [int(c) for c in counts.split(",")]
     bad_rank, bad_step = map(int, bad.split(":"))
-    if (mode, counts) in SHARED:
-        stdout = request.getfixturevalue("shared")[(mode, counts)]
-    else:
-        stdout = run(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
-                     "--timeout", 30, launcher="torchrun", nproc=len(n)).ok().stdout
+    stdout = forked(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
+                    "--timeout", 30, nproc=len(n)).ok().stdout
     active = [rank for rank, c in enumerate(n) if c > bad_step]
     assert (f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
             f"{len(active)} active ranks, its update left out") in stdout
@@ -115,7 +95,7 @@ def test_without_join_the_uneven_end_is_named_on_every_rank():
 
 
 def test_mismatched_collectives_are_reported_on_every_rank():
-    r = run(SCRIPT, "--mode", "mismatch", "--timeout", 30, launcher="spawn", nproc=3).failed()
+    r = forked(SCRIPT, "--mode", "mismatch", "--timeout", 30, nproc=3).failed()
     for rank in range(3):
         report = re.search(rf"^\[rank {rank}\] Detected mismatch between collectives on ranks\. "
                            rf"Rank {rank} is running collective: .*$", r.stderr, re.M)
@@ -128,8 +108,8 @@ def test_mismatched_collectives_are_reported_on_every_rank():
 
 def test_saved_model_holds_the_verified_weight(tmp_path):
     path = tmp_path / "out" / "model.pt"
-    r = run(SCRIPT, "--mode", "join", "--batches-per-rank", "3,1", "--save-model", path,
-            "--timeout", 30, launcher="spawn", nproc=2).ok()
+    r = forked(SCRIPT, "--mode", "join", "--batches-per-rank", "3,1", "--save-model", path,
+               "--timeout", 30, nproc=2).ok()
     state = torch.load(path, weights_only=True)
     assert list(state) == ["0.weight"]  # model.module's keys: no "module." prefix
     assert state["0.weight"].item() == pytest.approx(weight(r.stdout), abs=1e-6)
