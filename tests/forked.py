@@ -17,6 +17,7 @@ cold compile cache would.
 from __future__ import annotations
 
 import io
+import multiprocessing
 import os
 import sys
 import time
@@ -48,6 +49,9 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)
+    # multiprocessing's default start method (DataLoader workers use it), not the inherited
+    # forkserver's
+    multiprocessing.set_start_method(None, force=True)
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read when torch is imported
     if "SLOW_COMPILE" in env:
         register_slow_backend()

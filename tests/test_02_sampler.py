@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from launch import load_script, run, run_in_same_processes
+from launch import forked, load_script, run
 
 SCRIPT = "02_sampler.py"
 
@@ -26,18 +26,17 @@ def documented_shards(n, w, shuffle, seed, epoch, drop_last) -> list[list[int]]:
 
 
 CASES = [  # launcher, world size, dataset size, shuffle, drop_last, workers, epochs
-    ("single", 1, 7, True, False, 0, 2),
+    ("forked", 1, 7, True, False, 0, 2),
     ("torchrun", 2, 10, True, False, 2, 3),
     ("spawn", 2, 10, True, False, 2, 3),       # the same job as above, other launcher
-    ("shared", 3, 10, True, True, 0, 2),
-    ("shared", 3, 11, False, False, 0, 2),
-    ("shared", 4, 3, True, False, 2, 2),       # fewer samples than ranks
-    ("shared", 4, 3, True, True, 0, 2),        # ... with drop_last: nobody gets anything
-    ("shared", 3, 1, True, False, 0, 2),       # one sample
+    ("forked", 3, 10, True, True, 0, 2),
+    ("forked", 3, 11, False, False, 0, 2),
+    ("forked", 4, 3, True, False, 2, 2),       # fewer samples than ranks
+    ("forked", 4, 3, True, True, 0, 2),        # ... with drop_last: nobody gets anything
+    ("forked", 3, 1, True, False, 0, 2),       # one sample
 ]
-# "shared": the cases of one world size run one after another in the same processes
-# (tests/same_processes.py), each the script's own main() over a fresh process group; the
-# launchers themselves are proven by the first three cases.
+# "forked": fresh processes forked from a server that has imported torch (launch.forked);
+# the launchers themselves are proven by the torchrun and spawn cases.
 dumps = {}
 
 
@@ -47,32 +46,14 @@ def case_args(n, shuffle, drop_last, workers, epochs, path) -> list:
             "--shuffle" if shuffle else "--no-shuffle"] + (["--drop-last"] if drop_last else [])
 
 
-@pytest.fixture(scope="module")
-def shared_runs(tmp_path_factory):
-    """stdout and dump path of every "shared" case; "table": the two padding-table runs."""
-    folder, done = tmp_path_factory.mktemp("shared"), {}
-    tables = [["--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra]
-              for extra in ([], ["--drop-last"])]  # test_table_marks_padding_and_drops
-    for w in (3, 4):
-        cases = [c for c in CASES if c[0] == "shared" and c[1] == w]
-        configs = [case_args(*c[2:], folder / f"{w}-{i}.json") for i, c in enumerate(cases)]
-        outs = run_in_same_processes(SCRIPT, w, configs + (tables if w == 3 else []), 180)
-        for i, (case, out) in enumerate(zip(cases, outs)):
-            done[case] = out, folder / f"{w}-{i}.json"
-        if w == 3:
-            done["table"] = outs[len(cases):]
-    return done
-
-
 @pytest.mark.parametrize("launcher, w, n, shuffle, drop_last, workers, epochs", CASES)
 def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last, workers,
-                                             epochs, tmp_path, request):
-    if launcher == "shared":
-        stdout, path = request.getfixturevalue("shared_runs")[
-            (launcher, w, n, shuffle, drop_last, workers, epochs)]
+                                             epochs, tmp_path):
+    path = tmp_path / "dump.json"
+    args = case_args(n, shuffle, drop_last, workers, epochs, path)
+    if launcher == "forked":
+        stdout = forked(SCRIPT, *args, nproc=w).ok().stdout
     else:
-        path = tmp_path / "dump.json"
-        args = case_args(n, shuffle, drop_last, workers, epochs, path)
         stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
     dump = json.loads(path.read_text())
     assert dump["world_size"] == w and dump["dataset_size"] == n
@@ -101,16 +82,18 @@ def test_augmentation_draws_are_reproducible_across_launchers():
     assert len(streams) == 2 * 2 * 3 and len(set(streams)) == len(streams)
 
 
-def test_table_marks_padding_and_drops(shared_runs):
-    padded, dropped = shared_runs["table"]  # 5 samples, 3 ranks, no shuffle
+def test_table_marks_padding_and_drops():
+    padded, dropped = (forked(SCRIPT, "--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra,
+                              nproc=3).ok().stdout for extra in ([], ["--drop-last"]))
+    # 5 samples, 3 ranks, no shuffle
     assert "  rank 0: 0 3\n  rank 1: 1 4\n  rank 2: 2 0*\n" in padded
     assert "  rank 0: 0\n  rank 1: 1\n  rank 2: 2\n  dropped: 3 4\n" in dropped
 
 
 def test_forgetting_set_epoch_repeats_the_order_and_says_so(tmp_path):
     path = tmp_path / "dump.json"
-    r = run(SCRIPT, "--forget-set-epoch", "--epochs", 3, "--dump-indices", path,
-            launcher="spawn", nproc=2).ok()
+    r = forked(SCRIPT, "--forget-set-epoch", "--epochs", 3, "--dump-indices", path,
+               nproc=2).ok()
     assert "BUG SHOWN: set_epoch was never called, so all 3 epochs used the same order" \
         in r.stdout
     epochs = json.loads(path.read_text())["epochs"]
