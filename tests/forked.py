@@ -3,11 +3,12 @@ test session starts; every forked run's processes are copies of it.
 
 Importing it pays the start-up a fresh launch pays every time (about 5 s of `import torch,
 torchvision` per process on a 2-core CPU, more than most runs' work): torch, torchvision and
-the six scripts are loaded here, once. child() is then what each forked rank runs: the
-script's own parse_args() and launch(), as its `__main__` block would, in a fresh process
-whose stdout and stderr go to files. How processes are started is what the launcher tests
-prove (real torchrun, mp.spawn and plain `python script.py` launches); a forked rank is a
-real, separate process with its own process group over env://, like a torchrun worker.
+what the six scripts import are loaded here, once. child() is then what each forked rank
+runs: the script itself, as `python script.py ARGS` would run it (runpy, as __main__), in a
+fresh process whose stdout and stderr go to files. How processes are started is what the
+launcher tests prove (real torchrun, mp.spawn and plain `python script.py` launches); a
+forked rank is a real, separate process with its own process group over env://, like a
+torchrun worker.
 
 SLOW_COMPILE=R:S registers a torch.compile backend, slow_aot_eager: aot_eager, which on rank R
 first sleeps S seconds. It makes a real compile-time skew between ranks, as a slower node or a
@@ -19,6 +20,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import runpy
 import sys
 import time
 
@@ -28,7 +30,8 @@ import torchvision  # noqa: F401  (imported here so that no forked run pays for 
 
 from launch import REPO, load_script
 
-SCRIPTS = {path.name: load_script(path.name) for path in sorted(REPO.glob("0*.py"))}
+for path in sorted(REPO.glob("0*.py")):
+    load_script(path.name)  # what the scripts import is imported now, once
 
 
 def register_slow_backend() -> None:
@@ -55,6 +58,5 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read when torch is imported
     if "SLOW_COMPILE" in env:
         register_slow_backend()
-    module = SCRIPTS[script]
     sys.argv = [str(REPO / script), *argv]
-    module.launch(module.main, module.parse_args(argv))  # ends the process (run_rank)
+    runpy.run_path(sys.argv[0], run_name="__main__")  # its __main__ block ends the process

@@ -8,7 +8,7 @@ import socket
 import pytest
 import torch
 
-from launch import PYTHON, REPO, command, free_port, load_script, run, run_many
+from launch import PYTHON, REPO, command, forked, free_port, load_script, run, run_many
 
 SCRIPT = "01_init_methods.py"
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)\s+(\w+)\s+(\S+)\s*$", re.M)
@@ -47,25 +47,25 @@ def test_single_process_is_a_world_of_one():
     assert_one_node_job(r.stdout, 1)
 
 
-@pytest.mark.parametrize("nproc", [1, 3])  # 2: by spawn with tcp:// and by hand, below
-def test_torchrun_ranks_and_collectives(nproc):
-    r = run(SCRIPT, launcher="torchrun", nproc=nproc).ok()
-    assert_one_node_job(r.stdout, nproc)
-
-
-def test_spawn_ranks_and_collectives():
-    r = run(SCRIPT, launcher="spawn", nproc=3).ok()
+def test_torchrun_ranks_and_collectives():
+    # (a world of one is the plain launch above; under torchrun it takes the same path as 3)
+    r = run(SCRIPT, launcher="torchrun", nproc=3).ok()
     assert_one_node_job(r.stdout, 3)
 
 
-@pytest.mark.parametrize("scheme", ["tcp", "file"])
-def test_manual_launch_two_processes(scheme, tmp_path):
-    init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rdzv"
-    cmds = [command(SCRIPT, ["--init-method", init, "--rank", str(r), "--world-size", "2",
-                             "--timeout", "60"]) for r in (0, 1)]
+def test_spawn_with_tcp_init_passes_ranks_itself():
+    # with env:// under --spawn: the other scripts' spawn tests
+    r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", launcher="spawn",
+            nproc=3).ok()
+    assert_one_node_job(r.stdout, 3, "tcp")
+
+
+def test_manual_launch_two_processes_with_file_init(tmp_path):
+    cmds = [command(SCRIPT, ["--init-method", f"file://{tmp_path}/rdzv", "--rank", str(r),
+                             "--world-size", "2", "--timeout", "60"]) for r in (0, 1)]
     rank0, rank1 = run_many(cmds, timeout=90)
     rank0.ok(), rank1.ok()
-    assert_one_node_job(rank0.stdout, 2, scheme)
+    assert_one_node_job(rank0.stdout, 2, "file")
     assert rank1.stdout == ""  # rank 0 alone tells the story
 
 
@@ -84,12 +84,7 @@ def test_manual_launch_as_two_nodes_states_local_ranks():
         [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert runs[0].stdout.strip().splitlines()[-1] == \
         f"verified: 4 rank(s) joined via tcp://; {expected_summary(4)}"
-
-
-def test_spawn_with_tcp_init_passes_ranks_itself():
-    r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", launcher="spawn",
-            nproc=2).ok()
-    assert_one_node_job(r.stdout, 2, "tcp")
+    assert [r.stdout for r in runs[1:]] == ["", "", ""]  # rank 0 alone tells the story
 
 
 def test_two_torchrun_agents_form_a_two_node_job():
@@ -111,16 +106,20 @@ def test_two_torchrun_agents_form_a_two_node_job():
 # --- bad input: a short message and a non-zero exit, never a hang ----------------------
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
-@pytest.mark.parametrize("launcher", ["single", "spawn"])
-def test_nccl_without_cuda_is_a_clear_error(launcher):
-    r = run(SCRIPT, "--backend", "nccl", launcher=launcher).failed()
-    assert "--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo" in r.stderr
-    assert "Traceback" not in r.stderr
+@pytest.mark.parametrize("spawn", [[], ["--spawn", "2"]])
+def test_nccl_without_cuda_is_a_clear_error(spawn, capsys):
+    # refused while parsing, before anything starts (--spawn: before any child)
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--backend", "nccl", *spawn])
+    assert exit_.value.code == 2
+    assert ("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo"
+            in capsys.readouterr().err)
 
 
+# forked (launch.forked): one process, as `python 01_init_methods.py ...` would run it
 def test_missing_ranks_fail_after_timeout_saying_how_many_joined():
-    r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", "--rank", "0",
-            "--world-size", "3", "--timeout", "2", timeout=60).failed()
+    r = forked(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", "--rank", "0",
+               "--world-size", "3", "--timeout", "2", timeout=60).failed()
     assert "[rank 0] error: only 1 of 3 ranks joined within 2s" in r.stderr
     assert "Traceback" not in r.stderr
 
@@ -130,8 +129,8 @@ def test_rendezvous_port_in_use_is_a_clear_error():
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0",
-                "--world-size", "2", "--timeout", "5", timeout=60).failed()
+        r = forked(SCRIPT, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0",
+                   "--world-size", "2", "--timeout", "5", timeout=60).failed()
     assert f"[rank 0] error: the rendezvous port is already in use (tcp://127.0.0.1:{port})" \
         in r.stderr
 
