@@ -10,9 +10,9 @@ launcher tests prove (real torchrun, mp.spawn and plain `python script.py` launc
 forked rank is a real, separate process with its own process group over env://, like a
 torchrun worker.
 
-SLOW_COMPILE=R:S registers a torch.compile backend, slow_aot_eager: aot_eager, which on rank R
-first sleeps S seconds. It makes a real compile-time skew between ranks, as a slower node or a
-cold compile cache would.
+SLOW_COMPILE=R:S registers a torch.compile backend, slow_eager: Dynamo's eager backend, which
+on rank R first sleeps S seconds. It makes a real compile-time skew between ranks, as a
+slower node or a cold compile cache would.
 """
 
 from __future__ import annotations
@@ -39,12 +39,13 @@ def register_slow_backend() -> None:
     delay = [float(seconds) if os.environ.get("RANK", "0") == slow_rank else 0.0]
 
     @torch._dynamo.register_backend
-    def slow_aot_eager(graph, example_inputs):
+    def slow_eager(graph, example_inputs):
         time.sleep(delay.pop() if delay else 0.0)  # once: the first (sub)graph compiled
-        return torch._dynamo.lookup_backend("aot_eager")(graph, example_inputs)
+        return torch._dynamo.lookup_backend("eager")(graph, example_inputs)
 
 
 def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
+    """script: a path, relative to the repository or absolute (a test's edited copy)."""
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     # as PYTHONUNBUFFERED=1 does for a launch: a rank that is killed has written its lines
@@ -55,7 +56,12 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     # multiprocessing's default start method (DataLoader workers use it), not the inherited
     # forkserver's
     multiprocessing.set_start_method(None, force=True)
-    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG is read when torch is imported
+    # what a fresh process reads from its environment on import, read again from the run's
+    dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG
+    if "CXX" in env:  # inductor's C++ compiler (torch/_inductor/config.py: cpp.cxx)
+        import torch._inductor.config
+
+        torch._inductor.config.cpp.cxx = (None, env["CXX"])
     if "SLOW_COMPILE" in env:
         register_slow_backend()
     sys.argv = [str(REPO / script), *argv]
