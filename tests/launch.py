@@ -351,3 +351,27 @@ def load_script(script: str):
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+# For the plumbing's promise that exit hooks run although every rank ends with os._exit:
+# imported by every Python process started with PYTHONPATH pointing at its folder, each
+# rank (RANK is set by then) writes a file from an atexit hook, as a logger's finish would.
+EXIT_HOOK = '''
+import atexit, os
+
+def _finish():
+    if "RANK" in os.environ:
+        with open(os.path.join(os.environ["EXIT_HOOK_DIR"], "rank" + os.environ["RANK"]), "w") as f:
+            f.write("finished")
+
+atexit.register(_finish)
+'''
+
+
+def exit_hook_env(folder) -> dict:
+    (folder / "sitecustomize.py").write_text(EXIT_HOOK)
+    return {"PYTHONPATH": str(folder), "EXIT_HOOK_DIR": str(folder)}
+
+
+def hooks_that_ran(folder) -> list[str]:
+    return sorted(p.name for p in folder.glob("rank*") if p.read_text() == "finished")

@@ -8,7 +8,18 @@ import socket
 import pytest
 import torch
 
-from launch import PYTHON, REPO, command, forked, free_port, load_script, run, run_many
+from launch import (
+    PYTHON,
+    REPO,
+    command,
+    exit_hook_env,
+    forked,
+    free_port,
+    hooks_that_ran,
+    load_script,
+    run,
+    run_many,
+)
 
 SCRIPT = "01_init_methods.py"
 ROW = re.compile(r"^\s*(\d+)\s+(\d+)\s+(\d+)\s+(\d+)\s+(\S+)\s+(\d+)\s+(\w+)\s+(\S+)\s*$", re.M)
@@ -47,10 +58,13 @@ def test_single_process_is_a_world_of_one():
     assert_one_node_job(r.stdout, 1)
 
 
-def test_torchrun_ranks_and_collectives():
+def test_torchrun_ranks_and_collectives(tmp_path):
     # (a world of one is the plain launch above; under torchrun it takes the same path as 3)
-    r = run(SCRIPT, launcher="torchrun", nproc=3).ok()
+    r = run(SCRIPT, launcher="torchrun", nproc=3, env=exit_hook_env(tmp_path)).ok()
     assert_one_node_job(r.stdout, 3)
+    # the same launch proves a promise of the shared plumbing (tests/test_plumbing.py): the
+    # program's exit hooks ran on every rank, although each ends with os._exit
+    assert hooks_that_ran(tmp_path) == ["rank0", "rank1", "rank2"]
 
 
 def test_spawn_with_tcp_init_passes_ranks_itself():

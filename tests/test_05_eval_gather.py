@@ -56,8 +56,8 @@ def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
                      "--val-size", "50", "--batch-size", "32", "--epochs", "1",
                      "--save-model", checkpoint).ok()
     reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 50 images", trained.stdout)
-    r = run(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON,
-            launcher="torchrun", nproc=2).ok()
+    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON,
+               nproc=3).ok()
     mine = re.search(r"exact:  accuracy \d+/50 = ([\d.]+)%  loss ([\d.]+)", r.stdout)
     assert float(mine[1]) == pytest.approx(float(reported[2]), abs=0.05)  # same 50 images
     assert float(mine[2]) == pytest.approx(float(reported[1]), abs=1e-4)

@@ -12,20 +12,7 @@ import os
 import re
 import signal
 
-from launch import REPO, Watched, forked, run
-
-# Imported by every Python process started with PYTHONPATH pointing at its folder: each
-# rank (RANK is set by then) writes a file from an atexit hook, as a logger's finish would.
-EXIT_HOOK = '''
-import atexit, os
-
-def _finish():
-    if "RANK" in os.environ:
-        with open(os.path.join(os.environ["EXIT_HOOK_DIR"], "rank" + os.environ["RANK"]), "w") as f:
-            f.write("finished")
-
-atexit.register(_finish)
-'''
+from launch import REPO, Watched, exit_hook_env, forked, hooks_that_ran, run
 
 # A model a user pasted into 03: its forward has a shape bug.
 PASTED_MODEL = '''
@@ -40,20 +27,8 @@ class PastedModel(nn.Module):
 '''
 
 
-def exit_hook_env(folder) -> dict:
-    (folder / "sitecustomize.py").write_text(EXIT_HOOK)
-    return {"PYTHONPATH": str(folder), "EXIT_HOOK_DIR": str(folder)}
-
-
-def hooks_that_ran(folder) -> list[str]:
-    return sorted(p.name for p in folder.glob("rank*") if p.read_text() == "finished")
-
-
-def test_exit_hooks_run_on_every_rank_after_a_clean_run(tmp_path):
-    r = run("01_init_methods.py", "--timeout", "60", launcher="torchrun", nproc=2,
-            env=exit_hook_env(tmp_path)).ok()
-    assert r.stdout.strip().splitlines()[-1].startswith("verified: 2 rank(s)")
-    assert hooks_that_ran(tmp_path) == ["rank0", "rank1"]
+# After a clean run the exit hooks ran on every rank: asserted on 01's torchrun launch
+# (tests/test_01_init_methods.py), with launch.exit_hook_env.
 
 
 def test_a_bug_in_pasted_code_keeps_its_traceback_on_every_rank(tmp_path):
