@@ -82,6 +82,10 @@ def make_loader(args: argparse.Namespace, d: Dist, rank_seed: int):
     # generator. Seeded by rank, it differs across ranks (otherwise every rank's worker k
     # would make the same "random" augmentations) yet is reproducible from --seed.
     generator = torch.Generator().manual_seed(rank_seed)
+    # Workers start by multiprocessing's default method: fork on Linux under torchrun, but
+    # spawn in --spawn's children (started by spawn, they default to it); then each worker
+    # imports torch and this script afresh (seconds per worker on a small CPU; once, with
+    # persistent_workers) and the dataset must pickle.
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
                         num_workers=args.num_workers, generator=generator,
                         persistent_workers=args.num_workers > 0,  # no worker restart per epoch

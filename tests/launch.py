@@ -159,6 +159,11 @@ def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run
 _forkserver = None
 
 
+def start_forkserver() -> None:
+    """Start the server now (it imports in the background); forked() waits for it."""
+    _forkserver_context()
+
+
 def _forkserver_context():
     """A multiprocessing forkserver that has imported tests/forked.py (torch, torchvision and
     the six scripts), started once per test session, with CUDA hidden: the CPU lane."""

@@ -70,8 +70,8 @@ def test_torchrun_ranks_and_collectives(tmp_path):
 def test_spawn_with_tcp_init_passes_ranks_itself():
     # with env:// under --spawn: the other scripts' spawn tests
     r = run(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", launcher="spawn",
-            nproc=3).ok()
-    assert_one_node_job(r.stdout, 3, "tcp")
+            nproc=2).ok()
+    assert_one_node_job(r.stdout, 2, "tcp")
 
 
 def test_manual_launch_two_processes_with_file_init(tmp_path):

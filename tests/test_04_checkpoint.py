@@ -197,13 +197,14 @@ def test_init_from_accepts_a_state_dict_saved_from_the_ddp_wrapper(tmp_path):
 
 def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
     forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
-           nproc=2).failed()
-    # Left: step 12, mid-epoch 0 with 384 of 512 samples done by two ranks. Go on with three:
-    # 128 samples left, dealt 43 per rank with one padding repeat.
-    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="spawn", nproc=3).ok()
-    assert "world size changed (2 -> 3): random streams reseeded" in r.stdout
-    assert "epoch 0 with 384 of its 512 samples done, global step 12" in r.stdout
-    assert "step   15  loss" in r.stdout and "(end of epoch 0)" in r.stdout  # 3 steps of 16
+           nproc=3).failed()
+    # Left: step 12 by three ranks. Epoch 0 took 11 steps (171 = 513 / 3 per rank, one padding
+    # repeat); step 12 is epoch 1's first, 48 of 512 samples. Go on with two: 464 left, 232
+    # per rank, 15 steps (the last one of 8), so epoch 1 ends at step 27.
+    r = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="spawn", nproc=2).ok()
+    assert "world size changed (3 -> 2): random streams reseeded" in r.stdout
+    assert "epoch 1 with 48 of its 512 samples done, global step 12" in r.stdout
+    assert "step   27  loss" in r.stdout and "step-00000027.pt (end of epoch 1)" in r.stdout
     assert "verified: every epoch used each of the 512 samples once" in r.stdout
 
 

@@ -1,0 +1,12 @@
+"""Start the forkserver of launch.forked as the session starts: it imports torch and
+torchvision (about 6 s of one core) while the first tests' launches leave the other core
+idle, instead of when the first forked run needs it."""
+
+from __future__ import annotations
+
+import launch
+
+
+def pytest_sessionstart(session) -> None:
+    if session.config.getoption("markexpr") != "gpu":  # the GPU lane forks nothing
+        launch.start_forkserver()
