@@ -25,6 +25,7 @@ import sys
 import time
 
 import torch
+import torch._inductor.compile_fx  # noqa: F401  (--compile's, 2 s)
 import torch.distributed as dist
 import torchvision  # noqa: F401  (imported here so that no forked run pays for it)
 

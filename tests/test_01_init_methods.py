@@ -133,8 +133,8 @@ def test_nccl_without_cuda_is_a_clear_error(spawn, capsys):
 # forked (launch.forked): one process, as `python 01_init_methods.py ...` would run it
 def test_missing_ranks_fail_after_timeout_saying_how_many_joined():
     r = forked(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", "--rank", "0",
-               "--world-size", "3", "--timeout", "2", timeout=60).failed()
-    assert "[rank 0] error: only 1 of 3 ranks joined within 2s" in r.stderr
+               "--world-size", "3", "--timeout", "1", timeout=60).failed()
+    assert "[rank 0] error: only 1 of 3 ranks joined within 1s" in r.stderr
     assert "Traceback" not in r.stderr
 
 
