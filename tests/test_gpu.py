@@ -54,16 +54,22 @@ def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match():
     assert int(VERIFIED_03.search(r.stdout)[1]) == GPUS
 
 
-@two_gpus
-def test_03_two_gpus_train_exactly_like_one_with_twice_the_batch(tmp_path):
+def one_gpu_then_two(tmp_path, train_size: int, *two_gpu_args, timeout: float = 300):
+    """One GPU with batch 12, then two with 6 each (two_gpu_args: the second run's own
+    options), float64 GroupNorm resnet18: the second run and the largest weight difference."""
     common = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size",
-              "144", "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64"]
+              train_size, "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64"]
     gpu_run("03_ddp_train.py", *common, "--batch-size", 12, "--save-model", tmp_path / "one.pt",
             nproc=1).ok()
-    gpu_run("03_ddp_train.py", *common, "--batch-size", 6, "--save-model", tmp_path / "two.pt",
-            nproc=2).ok()
+    r = gpu_run("03_ddp_train.py", *common, "--batch-size", 6, *two_gpu_args, "--save-model",
+                tmp_path / "two.pt", nproc=2, timeout=timeout).ok()
     one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("one", "two"))
-    diff = max((one[k] - two[k]).abs().max().item() for k in one)
+    return r, max((one[k] - two[k]).abs().max().item() for k in one)
+
+
+@two_gpus
+def test_03_two_gpus_train_exactly_like_one_with_twice_the_batch(tmp_path):
+    _, diff = one_gpu_then_two(tmp_path, 144)
     assert diff < 1e-9, f"max abs difference {diff:.3g} between 2 GPUs and one"
 
 
@@ -71,16 +77,9 @@ def test_03_two_gpus_train_exactly_like_one_with_twice_the_batch(tmp_path):
 def test_03_inductor_compiled_two_gpus_train_like_one_eager_gpu(tmp_path):
     # The CPU lane compiles with aot_eager (inductor takes 90 s per run there); here the
     # real thing: Triton kernels, DDPOptimizer's split, NCCL all-reduces per bucket.
-    common = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size",
-              "96", "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64"]
-    gpu_run("03_ddp_train.py", *common, "--batch-size", 12, "--save-model", tmp_path / "one.pt",
-            nproc=1).ok()
-    r = gpu_run("03_ddp_train.py", *common, "--batch-size", 6, "--compile", "--save-model",
-                tmp_path / "two.pt", nproc=2, timeout=900).ok()
+    r, diff = one_gpu_then_two(tmp_path, 96, "--compile", timeout=900)
     assert re.search(r"^compiled \(inductor\) in [\d.]+ s on the slowest rank", r.stdout, re.M)
     assert int(VERIFIED_03.search(r.stdout)[1]) == 2
-    one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("one", "two"))
-    diff = max((one[k] - two[k]).abs().max().item() for k in one)
     assert diff < 1e-9, f"max abs difference {diff:.3g}: compiled 2 GPUs vs eager one"
 
 
