@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import queue
-import shutil
 import signal
 import socket
 import subprocess
@@ -166,7 +165,8 @@ def start_forkserver() -> None:
 
 def _forkserver_context():
     """A multiprocessing forkserver that has imported tests/forked.py (torch, torchvision and
-    the six scripts), started once per test session, with CUDA hidden: the CPU lane."""
+    what the scripts import), started once per test session, with CUDA hidden: the CPU
+    lane."""
     global _forkserver
     if _forkserver is None:
         import multiprocessing.forkserver
@@ -210,7 +210,6 @@ def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float =
     context = _forkserver_context()
     argv = [str(a) for a in args]
     cmd = [f"forked x{nproc}:", script, *argv]
-    folder = Path(tempfile.mkdtemp(prefix="forked-"))
     ranks, port = {}, str(free_port())
     if nproc > 1:  # one process: no launcher's variables, as for `python script.py`
         per_node = nproc // nnodes
@@ -218,39 +217,35 @@ def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float =
                             GROUP_RANK=str(rank // per_node), WORLD_SIZE=str(nproc),
                             LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
                             MASTER_PORT=port) for rank in range(nproc)}
-    started = time.monotonic()
     base = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
     base.update(CUDA_VISIBLE_DEVICES="", **(env or {}))
-    procs = [context.Process(target=_forked_rank, args=(
-        script, argv, {**base, **ranks.get(rank, {})}, str(folder / f"{rank}.out"),
-        str(folder / f"{rank}.err"))) for rank in range(nproc)]
+    with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
+        folder = Path(tmp)
+        procs = [context.Process(target=_forked_rank, args=(
+            script, argv, {**base, **ranks.get(rank, {})}, str(folder / f"{rank}.out"),
+            str(folder / f"{rank}.err"))) for rank in range(nproc)]
+        started = time.monotonic()
 
-    def result(code: int) -> Run:
-        read = lambda suffix: "".join((folder / f"{rank}.{suffix}").read_text()
-                                      for rank in range(nproc)
-                                      if (folder / f"{rank}.{suffix}").exists())
-        return Run(cmd, code, read("out"), read("err"), time.monotonic() - started)
+        def result(code: int) -> Run:
+            read = lambda suffix: "".join((folder / f"{rank}.{suffix}").read_text()
+                                          for rank in range(nproc)
+                                          if (folder / f"{rank}.{suffix}").exists())
+            return Run(cmd, code, read("out"), read("err"), time.monotonic() - started)
 
-    try:
-        for proc in procs:
-            proc.start()
-        for proc in procs:
-            proc.join(max(0.0, started + timeout - time.monotonic()))
-        if any(proc.exitcode is None for proc in procs):
+        try:
             for proc in procs:
-                if proc.exitcode is None:
+                proc.start()
+            for proc in procs:
+                proc.join(max(0.0, started + timeout - time.monotonic()))
+            if any(proc.exitcode is None for proc in procs):
+                pytest.fail(f"forked run timed out after {timeout}s and was killed:\n"
+                            f"{result(-9)}")
+        finally:  # killed at the deadline, or if starting one of them failed
+            for proc in procs:
+                if proc.pid is not None and proc.exitcode is None:
                     kill_tree(proc)
-            pytest.fail(f"forked run timed out after {timeout}s and was killed:\n"
-                        f"{result(-9)}")
-    finally:
-        for proc in procs:
-            if proc.pid is not None and proc.exitcode is None:
-                kill_tree(proc)
-                proc.join()
-    code = next((proc.exitcode for proc in procs if proc.exitcode != 0), 0)
-    run_ = result(code)
-    shutil.rmtree(folder, ignore_errors=True)
-    return run_
+                    proc.join()
+        return result(next((proc.exitcode for proc in procs if proc.exitcode != 0), 0))
 
 
 class Watched:
