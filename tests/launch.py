@@ -1,4 +1,6 @@
-"""One way to start the scripts under test: as real processes, with a deadline.
+"""How the tests start the scripts: as real processes, with a deadline. run() and Watched
+launch them as a user would (torchrun, --spawn, `python script.py`); forked() runs them in
+processes forked from a server that has imported torch already (tests/forked.py).
 
 Every launch gets a timeout; when it expires the whole process tree (torchrun agent,
 its workers, mp.spawn children) is killed with SIGKILL and the test fails, so a hang
