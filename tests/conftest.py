@@ -9,4 +9,4 @@ import launch
 
 def pytest_sessionstart(session) -> None:
     if session.config.getoption("markexpr") != "gpu":  # the GPU lane forks nothing
-        launch.start_forkserver()
+        launch.forkserver()

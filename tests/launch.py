@@ -136,6 +136,10 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
 
 def run(script: str, *args: str, launcher: str = "single", nproc: int = 2,
         timeout: float = 120, env: dict | None = None, extra=(), gpu: bool = False) -> Run:
+    """launcher "forked": forked() below, for tests that try several launchers."""
+    if launcher == "forked":
+        assert not extra and not gpu, "a forked run has no torchrun options and no GPUs"
+        return forked(script, *args, nproc=nproc, timeout=timeout, env=env)
     cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
     started = time.monotonic()
     return finish(start(cmd, env, gpu), cmd, timeout, started)
@@ -160,15 +164,10 @@ def run_many(cmds: list[list[str]], timeout: float = 120, envs=None) -> list[Run
 _forkserver = None
 
 
-def start_forkserver() -> None:
-    """Start the server now (it imports in the background); forked() waits for it."""
-    _forkserver_context()
-
-
-def _forkserver_context():
+def forkserver():
     """A multiprocessing forkserver that has imported tests/forked.py (torch, torchvision and
     what the scripts import), started once per test session, with CUDA hidden: the CPU
-    lane."""
+    lane. Its imports run in the background: forked() waits for them."""
     global _forkserver
     if _forkserver is None:
         import multiprocessing.forkserver
@@ -209,7 +208,7 @@ def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float =
     rank whose peer failed ends in its own error, or at its --timeout); the returncode is the
     first non-zero exit code in rank order, else 0. stdout and stderr are every rank's, in
     rank order."""
-    context = _forkserver_context()
+    context = forkserver()
     argv = [str(a) for a in args]
     cmd = [f"forked x{nproc}:", script, *argv]
     ranks, port = {}, str(free_port())

@@ -51,10 +51,7 @@ def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last,
                                              epochs, tmp_path):
     path = tmp_path / "dump.json"
     args = case_args(n, shuffle, drop_last, workers, epochs, path)
-    if launcher == "forked":
-        stdout = forked(SCRIPT, *args, nproc=w).ok().stdout
-    else:
-        stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
+    stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
     dump = json.loads(path.read_text())
     assert dump["world_size"] == w and dump["dataset_size"] == n
     for epoch in range(epochs):

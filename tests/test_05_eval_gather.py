@@ -25,10 +25,7 @@ def outputs(folder, n):
 ])
 def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
     folder = tmp_path
-    if launcher == "forked":
-        stdout = forked(SCRIPT, *outputs(folder, n), nproc=w).ok().stdout
-    else:
-        stdout = run(SCRIPT, *outputs(folder, n), launcher=launcher, nproc=w).ok().stdout
+    stdout = run(SCRIPT, *outputs(folder, n), launcher=launcher, nproc=w).ok().stdout
     metrics = json.loads((folder / f"metrics{n}.json").read_text())
     predictions = (folder / f"predictions{n}.csv").read_text()
     assert metrics["num_samples"] == n

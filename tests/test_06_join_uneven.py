@@ -22,10 +22,8 @@ def weight(stdout: str) -> float:
 ])
 def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide):
     n = [int(c) for c in counts.split(",")]
-    start = forked if launcher == "forked" else run
-    kwargs = {} if launcher == "forked" else {"launcher": launcher}
-    stdout = start(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
-                   "--timeout", 30, nproc=len(n), **kwargs).ok().stdout
+    stdout = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
+                 "--timeout", 30, launcher=launcher, nproc=len(n)).ok().stdout
     assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in stdout
     assert f"{sum(n)} gradients and the final weight match the closed form" in stdout
     # Independently: rank r feeds r + 1, so a step's gradient is the sum of batch * (r + 1)
