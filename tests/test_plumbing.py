@@ -43,13 +43,20 @@ def test_a_bug_in_pasted_code_keeps_its_traceback_on_every_rank(tmp_path):
     # forked ranks (launch.forked) run the edited copy as `python my_train.py` would; the
     # exit hooks after a failure are the next test's
     r = forked(script, "--image-size", 16, "--train-size", 32, "--val-size", 0,
-               "--batch-size", 8, "--epochs", 1, "--timeout", "60", nproc=2).failed()
-    # the traceback points at the user's line, on each rank, before the one-line summary
-    assert r.stderr.count(f'File "{script}", line {bug_line}, in forward') == 2, r
+               "--batch-size", 8, "--epochs", 1, "--timeout", "60", nproc=2)
+    assert r.returncode == 1, r
+    # On each rank (stderr is rank 0's, then rank 1's): the traceback points at the user's
+    # line, then one summary line names the rank and the exception type. torch's own words
+    # after the type are not asserted: they change between versions (2.15 added "addmm: ").
+    user_line = f'File "{script}", line {bug_line}, in forward'
+    assert r.stderr.count(user_line) == 2, r
+    position = 0
     for rank in (0, 1):
-        line = re.search(rf"^\[rank {rank}\] error: RuntimeError: mat1 and mat2 shapes cannot "
-                         rf"be multiplied .*$", r.stderr, re.M)
+        traceback_at = r.stderr.index(user_line, position)
+        summary = re.compile(rf"^\[rank {rank}\] error: [A-Za-z_.]+: \S.*$", re.M)
+        line = summary.search(r.stderr, traceback_at)
         assert line, r
+        position = line.end()
 
 
 def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
