@@ -5,13 +5,11 @@
   (b) default:  03_ddp_train.py's default configuration, end to end
   (c) accum 4:  the same with --accum-steps 4 (one all-reduce per 4 micro-batches)
   (d) 1 proc:   03_ddp_train.py as a single process (all cores, batch --batch-size)
-  (e) to (g):   (b) with --comm-hook fp16, bf16 and powersgd: gradient bytes each rank
-                hands to the all-reduce per step, and images/s against (b)
 
 Ratios b/a and c/a say how much of the bound DDP plus the script's data and logging path
 keep. Every clock is read after the GPU has finished its queued work (a synchronize in the
-bound, and in 03 at each log line and epoch end), and 03's training set grows with the
-process count (16 steps per epoch), so the ratios mean the same at 2 processes or 8.
+bound, and in 03 after each epoch's first step and at its end), and 03's training set grows
+with the process count (16 steps per epoch), so the ratios mean the same at 2 processes or 8.
 Run from the repo root:
 
   python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
@@ -82,24 +80,6 @@ def bound_worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def bytes_per_step(arch: str) -> dict:
-    """Gradient bytes each rank hands to the all-reduce per optimizer step (float32), per hook.
-    PowerSGD (rank 2, as 03 sets it) sends P and Q for each matrix it compresses and the rest
-    whole; the same test as its hook's own _should_compress. Counted once compression starts."""
-    import torchvision
-    from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import _should_compress
-
-    model = torchvision.models.get_model(arch, num_classes=10)
-    numel = sum(p.numel() for p in model.parameters())
-    powersgd = 0
-    for p in model.parameters():
-        n, m = p.shape[0], p.numel() // p.shape[0]
-        compress, _, compressed = _should_compress(n, m, min(n, m, 2), 2)
-        powersgd += compressed if compress else n * m
-    return {"b_default": 4 * numel, "e_fp16": 2 * numel, "f_bf16": 2 * numel,
-            "g_powersgd": 4 * powersgd}
-
-
 def run(cmd: list[str]) -> str:
     print("$", " ".join(cmd), flush=True)
     done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=1800)
@@ -133,13 +113,6 @@ def main() -> None:
         results[key] = float(SUMMARY.search(out)[1])
     out = run([sys.executable, str(REPO / "03_ddp_train.py")] + shape + data)
     results["d_one_process"] = float(SUMMARY.search(out)[1])
-    for key, hook in (("e_fp16", "fp16"), ("f_bf16", "bf16"), ("g_powersgd", "powersgd")):
-        out = run(torchrun + [str(REPO / "03_ddp_train.py")] + shape + data
-                  + ["--comm-hook", hook])
-        results[key] = float(SUMMARY.search(out)[1])
-    payload = bytes_per_step(args.arch)
-    hooks = {key: {"bytes_per_step": payload[key],
-                   "vs_b": round(results[key] / results["b_default"], 3)} for key in payload}
     results["b_over_a"] = round(results["b_default"] / results["a_bound"], 3)
     results["c_over_a"] = round(results["c_accum4"] / results["a_bound"], 3)
 
@@ -150,7 +123,7 @@ def main() -> None:
                + f", torch {torch.__version__}")
     record = {"machine": machine, "nproc": args.nproc, "arch": args.arch,
               "image_size": args.image_size, "batch_size_per_process": args.batch_size,
-              "images_per_s": results, "comm_hooks": hooks, "date": time.strftime("%Y-%m-%d")}
+              "images_per_s": results, "date": time.strftime("%Y-%m-%d")}
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
     print(f"\n{machine}; {args.nproc} processes, {args.arch} {args.image_size}px, "
           f"batch {args.batch_size} per process")
@@ -159,11 +132,6 @@ def main() -> None:
                        ("(d) 03 one process", "d_one_process")):
         print(f"  {label:<30} {results[key]:8.1f} img/s")
     print(f"  b/a = {results['b_over_a']:.3f}   c/a = {results['c_over_a']:.3f}")
-    for label, key in (("(b) no hook", "b_default"), ("(e) --comm-hook fp16", "e_fp16"),
-                       ("(f) --comm-hook bf16", "f_bf16"),
-                       ("(g) --comm-hook powersgd", "g_powersgd")):
-        print(f"  {label:<30} {results[key]:8.1f} img/s  {hooks[key]['vs_b']:.3f} of (b)  "
-              f"{hooks[key]['bytes_per_step'] / 1e6:8.2f} MB per rank per step")
     print(f"(written to {args.out})")
 
 

@@ -9,10 +9,6 @@ fresh process whose stdout and stderr go to files. How processes are started is 
 launcher tests prove (real torchrun, mp.spawn and plain `python script.py` launches); a
 forked rank is a real, separate process with its own process group over env://, like a
 torchrun worker.
-
-SLOW_COMPILE=R:S registers a torch.compile backend, slow_eager: Dynamo's eager backend, which
-on rank R first sleeps S seconds. It makes a real compile-time skew between ranks, as a
-slower node or a cold compile cache would.
 """
 
 from __future__ import annotations
@@ -22,10 +18,8 @@ import multiprocessing
 import os
 import runpy
 import sys
-import time
 
-import torch
-import torch._inductor.compile_fx  # noqa: F401  (--compile's, 2 s)
+import torch  # noqa: F401  (imported here so that no forked run pays for it)
 import torch.distributed as dist
 import torchvision  # noqa: F401  (imported here so that no forked run pays for it)
 
@@ -33,16 +27,6 @@ from launch import REPO, load_script
 
 for path in sorted(REPO.glob("0*.py")):
     load_script(path.name)  # what the scripts import is imported now, once
-
-
-def register_slow_backend() -> None:
-    slow_rank, seconds = os.environ.get("SLOW_COMPILE", "-1:0").split(":")
-    delay = [float(seconds) if os.environ.get("RANK", "0") == slow_rank else 0.0]
-
-    @torch._dynamo.register_backend
-    def slow_eager(graph, example_inputs):
-        time.sleep(delay.pop() if delay else 0.0)  # once: the first (sub)graph compiled
-        return torch._dynamo.lookup_backend("eager")(graph, example_inputs)
 
 
 def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
@@ -59,11 +43,5 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     multiprocessing.set_start_method(None, force=True)
     # what a fresh process reads from its environment on import, read again from the run's
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG
-    if "CXX" in env:  # inductor's C++ compiler (torch/_inductor/config.py: cpp.cxx)
-        import torch._inductor.config
-
-        torch._inductor.config.cpp.cxx = (None, env["CXX"])
-    if "SLOW_COMPILE" in env:
-        register_slow_backend()
     sys.argv = [str(REPO / script), *argv]
     runpy.run_path(sys.argv[0], run_name="__main__")  # its __main__ block ends the process

@@ -145,8 +145,9 @@ def test_rendezvous_port_in_use_is_a_clear_error():
         port = busy.getsockname()[1]
         r = forked(SCRIPT, "--init-method", f"tcp://127.0.0.1:{port}", "--rank", "0",
                    "--world-size", "2", "--timeout", "5", timeout=60).failed()
-    assert f"[rank 0] error: the rendezvous port is already in use (tcp://127.0.0.1:{port})" \
+    assert f"[rank 0] error: cannot join the process group at tcp://127.0.0.1:{port}: " \
         in r.stderr
+    assert "Traceback" not in r.stderr
 
 
 @pytest.mark.parametrize("args, message", [
@@ -157,20 +158,48 @@ def test_rendezvous_port_in_use_is_a_clear_error():
      "--rank must be >= 0, got -1"),
     (["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2"],
      "--rank 2 must be < --world-size 2"),
-    (["--spawn", "0"], "must be >= 1, got 0"),
+    (["--spawn", "-1"], "--spawn N needs N >= 0 and no launcher"),
     (["--init-method", "file:///no/such/folder/rdzv", "--rank", "0", "--world-size", "2"],
      "'file:///no/such/folder/rdzv': the folder /no/such/folder does not exist"),
     (["--init-method", "tcp://127.0.0.1:1", "--rank", "1", "--world-size", "4",
       "--local-rank", "2", "--local-world-size", "2"],
      "--local-rank 2 with --local-world-size 2 does not fit rank 1 of 4"),
     (["--local-rank", "0"], "--local-rank and --local-world-size are for a manual launch"),
-    (["--timeout", "-3"], "must be > 0, got -3"),
+    (["--timeout", "-3"], "--timeout: must be > 0 and <= 1e6 seconds, got -3"),
+    (["--timeout", "1e11"], "--timeout: must be > 0 and <= 1e6 seconds, got 1e+11"),
+    (["--timeout", "inf"], "--timeout: must be > 0 and <= 1e6 seconds, got inf"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         load_script(SCRIPT).parse_args(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_spawn_under_a_launcher_is_a_usage_error(monkeypatch, capsys):
+    monkeypatch.setenv("RANK", "0")  # as torchrun sets it for its workers
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--spawn", "2"])
+    assert exit_.value.code == 2
+    assert "(under torchrun, drop --spawn)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("variables", [
+    dict(RANK="abc", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"),
+    dict(RANK="0", WORLD_SIZE="0", LOCAL_RANK="0", LOCAL_WORLD_SIZE="0"),
+    dict(RANK="5", WORLD_SIZE="2", LOCAL_RANK="1", LOCAL_WORLD_SIZE="2"),
+    dict(RANK="-1", WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="2"),
+])
+def test_bad_launcher_variables_are_one_line_naming_them(variables):
+    # forked with one process and no launcher of its own: the variables are the test's
+    env = {**variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
+    r = forked(SCRIPT, "--timeout", "5", env=env, timeout=30)
+    assert r.returncode == 1, r
+    values = [variables[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    assert r.stderr.strip().splitlines() == [
+        f"[rank {variables['RANK']}] error: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are "
+        f"{values}: a launcher sets whole numbers, each rank below its size, the node's <= the "
+        f"world's"], r
 
 
 def test_bad_argument_exits_2_from_the_command_line():

@@ -41,7 +41,7 @@ dumps = {}
 
 
 def case_args(n, shuffle, drop_last, workers, epochs, path) -> list:
-    return ["--dataset-size", n, "--epochs", epochs, "--num-workers", workers,
+    return ["--dataset-size", n, "--epochs", epochs, "--workers", workers,
             "--batch-size", 4, "--seed", 7, "--dump-indices", path, "--timeout", 60,
             "--shuffle" if shuffle else "--no-shuffle"] + (["--drop-last"] if drop_last else [])
 
