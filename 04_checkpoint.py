@@ -132,9 +132,9 @@ def prepare_directory(directory: Path, d: Dist) -> None:
     try:
         if d.is_main:
             directory.mkdir(parents=True, exist_ok=True)
-            for stale in [*directory.glob(".step-*.tmp*"), directory / ".write-test"]:
-                stale.write_bytes(b"")  # a killed save's leftovers go, and a test file
-                stale.unlink()
+            for path in [*directory.glob(".step-*.tmp*"), directory / ".write-test"]:
+                path.write_bytes(b"")  # a killed save's leftovers, then a test: can we write?
+                path.unlink()
     except OSError as e:
         error = f"checkpoint directory {directory} is not writable: {e}"
     raise_rank0_error(error)
