@@ -1,4 +1,4 @@
-"""01_init_methods.py: how DDP processes find each other (the process group), checked.
+r"""01_init_methods.py: how DDP processes find each other (the process group), checked.
 
 Every process joins one process group, reports who it is, and runs four collectives
 whose answers are known in advance; rank 0 prints the table and the checks.
@@ -138,7 +138,8 @@ def verify_collectives(d: Dist) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--init-method", default="env://",
                         help="env:// (torchrun, --spawn, one process), tcp://HOST:PORT or "

@@ -1,4 +1,4 @@
-"""02_sampler.py: how DistributedSampler splits a dataset across ranks, shown and checked.
+r"""02_sampler.py: how DistributedSampler splits a dataset across ranks, shown and checked.
 
 Each rank loads a small dataset whose items are their own indices through
 DataLoader(sampler=DistributedSampler(...)); rank 0 gathers what every rank got and prints
@@ -11,8 +11,9 @@ Run
   python 02_sampler.py --spawn 2 --forget-set-epoch          # the classic bug, shown
   python 02_sampler.py --spawn 2 --workers 2                 # worker seeding
   python 02_sampler.py                                        # world size 1
-  # two nodes: torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
-  #     --rdzv-endpoint HOST0:29400 --rdzv-id job1 02_sampler.py
+  # two nodes, 2 processes each: run on both machines
+  torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
+      --rdzv-endpoint HOST0:29400 --rdzv-id job1 02_sampler.py
 
 How DistributedSampler(dataset, num_replicas=W, rank=r, shuffle, seed, drop_last) works,
 for a dataset of N samples:
@@ -250,7 +251,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset-size", type=positive_int, default=10, metavar="N",
                         help="samples in the dataset; item i is i (default: %(default)s)")

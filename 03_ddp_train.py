@@ -1,4 +1,4 @@
-"""03_ddp_train.py: train a torchvision classifier with DistributedDataParallel.
+r"""03_ddp_train.py: train a torchvision classifier with DistributedDataParallel.
 
 Run
   torchrun --standalone --nproc_per_node 2 03_ddp_train.py        # 2 processes (GPUs or CPU)
@@ -110,7 +110,6 @@ def main(args: argparse.Namespace) -> None:
 
 
 # ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
-
 def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
     """The training set, the validation set and the number of classes."""
     if not args.data:
@@ -172,7 +171,6 @@ def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set:
 
 
 # ---- your model: any nn.Module; replace build_model() ------------------------------------
-
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     kwargs = {"num_classes": num_classes}
     if args.norm == "group":
@@ -305,7 +303,8 @@ def save_atomic(state: dict, path: Path) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     m = parser.add_argument_group("model")
     m.add_argument("--arch", default="resnet18", metavar="ARCH",

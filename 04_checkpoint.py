@@ -1,4 +1,4 @@
-"""04_checkpoint.py: DDP checkpoints that survive a killed worker and resume exactly.
+r"""04_checkpoint.py: DDP checkpoints that survive a killed worker and resume exactly.
 
 Run
   # one command shows failure, restart and resume: rank 1 dies at step 50
@@ -399,8 +399,7 @@ def check_coverage(seen: torch.Tensor, sampler: ResumableSampler, epoch: int, d:
     total = seen.to(d.device, copy=True)
     dist.all_reduce(total)  # NCCL reduces GPU tensors; the counts live on the CPU
     check(int(total.min()) >= 1 and int(total.sum()) == len(total) + sampler.padding,
-          "each sample once per epoch",
-          f"epoch {epoch}: {int((total == 0).sum())} samples never seen, "
+          "each sample once per epoch", f"epoch {epoch}: {int((total == 0).sum())} never seen, "
           f"{int(total.sum())} visits for {len(total)} samples + {sampler.padding} padding")
 
 
@@ -417,7 +416,8 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     c = parser.add_argument_group("checkpoints")
     c.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"), metavar="DIR",

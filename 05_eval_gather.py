@@ -1,4 +1,4 @@
-"""05_eval_gather.py: distributed evaluation whose metrics equal a one-process evaluation.
+r"""05_eval_gather.py: distributed evaluation whose metrics equal a one-process evaluation.
 
 Each rank evaluates its own part of the validation set; three collectives assemble the
 results, each used for what it fits:
@@ -14,8 +14,9 @@ Run
   torchrun --standalone --nproc_per_node 2 05_eval_gather.py --verify
   python 05_eval_gather.py --spawn 3 --val-size 103 --metrics-json metrics.json
   python 05_eval_gather.py --checkpoint model.pt      # a model saved by 03_ddp_train.py
-  # two nodes: torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
-  #     --rdzv-endpoint HOST0:29400 --rdzv-id job1 05_eval_gather.py
+  # two nodes, 2 processes each: run on both machines
+  torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
+      --rdzv-endpoint HOST0:29400 --rdzv-id job1 05_eval_gather.py
 
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
@@ -308,7 +309,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", type=Path, metavar="PATH",
                         help="a state_dict of --arch, as 03 --save-model writes it (default: a "

@@ -1,4 +1,4 @@
-"""06_join_uneven.py: training when ranks disagree: uneven inputs, a bad step, a mismatch.
+r"""06_join_uneven.py: training when ranks disagree: uneven inputs, a bad step, a mismatch.
 
 DDP all-reduces gradients in every backward, so every rank must run the same steps and the
 same collectives. When one rank runs out of data first, or skips a step, or calls another
@@ -21,14 +21,14 @@ Run
   python 06_join_uneven.py --spawn 3 --mode throw
   python 06_join_uneven.py --spawn 2 --mode no-join
   python 06_join_uneven.py --spawn 2 --mode mismatch
-  # two nodes: torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
-  #     --rdzv-endpoint HOST0:29400 --rdzv-id job1 06_join_uneven.py
+  # two nodes, 2 processes each: run on both machines
+  torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
+      --rdzv-endpoint HOST0:29400 --rdzv-id job1 06_join_uneven.py
 
-Which to use: if inputs can be made even (DistributedSampler with drop_last, or a fixed
-number of steps), do that; it costs nothing. join() is for inputs that are uneven by
-nature (packed sequences, filtered data), when every rank's data should count. Models
-that run their own collectives in forward (SyncBatchNorm) need throw, because join only
-shadows DDP's own collectives: every rank then stops at the shortest rank's length.
+Which to use: if inputs can be made even (DistributedSampler with drop_last, a fixed number
+of steps), do that: it costs nothing. join() is for inputs uneven by nature (packed
+sequences, filtered data) when every rank's data should count. Models with collectives of
+their own in forward (SyncBatchNorm) need throw: all ranks then stop at the shortest.
 
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
@@ -86,7 +86,7 @@ def main(args: argparse.Namespace) -> None:
 
 
 def batches_per_rank(args: argparse.Namespace, world_size: int) -> list[int]:
-    counts = list(args.batches_per_rank or (max(0, 6 - 3 * r) for r in range(world_size)))
+    counts = list(args.batches_per_rank or (max(2, 6 - 3 * r) for r in range(world_size)))
     if len(counts) != world_size:
         raise SetupError(f"--batches-per-rank lists {len(counts)} ranks for {world_size}")
     if args.mode == "mismatch" and world_size < 2:
@@ -278,7 +278,6 @@ def mismatched_collectives(d: Dist, side) -> None:
 
 
 # ---- checks: every rank's steps and weight against the closed form ---------------------
-
 def verify(everyone: list[dict], counts: list[int], args: argparse.Namespace) -> list[str]:
     weights = [r["weight"] for r in everyone]
     check(len(set(weights)) == 1, "identical replicas", f"final weights differ: {weights}")
@@ -332,13 +331,14 @@ def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) ->
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__,
+    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mode", default="join",
                         choices=["join", "join-counter", "throw", "no-join", "mismatch"],
                         help="which case to run, each described above (default: %(default)s)")
     parser.add_argument("--batches-per-rank", type=numbers(r"\d+(,\d+)*", "counts like 6,3,0"),
-                        metavar="N0,N1,...", help="batches on each rank (default: 6, 3, 0, 0, ...)")
+                        metavar="N0,N1,...", help="batches on each rank (default: 6, 3, 2, 2, ...)")
     parser.add_argument("--batch-size", type=int, default=2,
                         help="samples per batch (default: %(default)s)")
     parser.add_argument("--divide-by-initial-world-size", dest="divide_by_initial",

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import ast
+import re
+import shlex
 
 import pytest
 import torch
@@ -137,3 +139,46 @@ def test_every_option_has_one_help_line_with_its_default_once(script):
     assert not problems, "\n".join(problems)
     formatted = parser.format_help()
     assert "(default: None)" not in formatted and ") (default:" not in formatted
+
+
+def commands(text: str):
+    """Each command line that runs one of the scripts: continuations joined, comments cut."""
+    for line in text.replace("\\\n", " ").splitlines():
+        line = line.split(" # ", 1)[0].split("  #", 1)[0].strip()
+        if line.startswith(("python", "torchrun", "srun")):
+            words = shlex.split(line)
+            script = next((w for w in words if re.fullmatch(r"0[1-6]_\w+\.py", w)), None)
+            if script:
+                yield line, script, words[words.index(script) + 1:]
+
+
+def readme_commands() -> list:
+    blocks = re.findall(r"```bash\n(.*?)```", (REPO / "README.md").read_text(), re.S)
+    return [c for block in blocks for c in commands(block)]
+
+
+def run_block_commands() -> list:
+    found = []
+    for script in SCRIPTS:
+        doc = ast.get_docstring(ast.parse(script.read_text()))
+        run_block = next(p for p in doc.split("\n\n") if p.startswith("Run\n"))
+        found += [c for c in commands(run_block) if c[1] == script.name]
+    return found
+
+
+@pytest.mark.parametrize("line, script, args", readme_commands() + run_block_commands(),
+                         ids=lambda value: value if isinstance(value, str) else None)
+def test_every_command_shown_parses_with_its_scripts_parser(line, script, args, tmp_path,
+                                                             monkeypatch):
+    monkeypatch.chdir(tmp_path)  # an output file named in a command is tried here
+    parser = load_script(script).build_parser()
+    try:
+        parser.parse_args(args)
+    except SystemExit:
+        pytest.fail(f"{line!r} does not parse with {script}'s options")
+
+
+def test_the_readme_shows_commands_of_every_script():
+    shown = {script for _, script, _ in readme_commands()}
+    assert shown == {p.name for p in SCRIPTS}
+    assert len((REPO / "README.md").read_text().splitlines()) <= 250
