@@ -128,6 +128,8 @@ def test_every_option_has_one_help_line_with_its_default_once(script):
         if not text.strip():
             problems.append(f"{name}: no help")
             continue
+        if not re.sub(r"\(default: [^)]*\)|\s", "", text):
+            problems.append(f"{name}: says only its default: {text!r}")
         if text.count("default") > 1:
             problems.append(f"{name}: the default appears twice: {text!r}")
         if "None" in text:
