@@ -384,11 +384,11 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
         summary = e if expected else f"{type(e).__name__}: {e}"  # share it
         sys.stderr.write(f"[rank {rank}] {label}: {summary}\n")
-    if code == 0 and dist.is_initialized():  # not after a failure: NCCL would wait for peers
-        dist.destroy_process_group()
     atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
     sys.stdout.flush(), sys.stderr.flush()
-    os._exit(code)  # no interpreter shutdown, where Gloo's threads abort it (pytorch#190489)
+    # os._exit frees the group with the process: no interpreter shutdown (Gloo's threads abort
+    # it, pytorch#190489), no destroy_process_group (can wait on peers: #141510, NOTES.md)
+    os._exit(code)
 
 
 class Dist(NamedTuple):  # who this process is in the job; setup() returns it
