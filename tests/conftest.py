@@ -8,5 +8,6 @@ import launch
 
 
 def pytest_sessionstart(session) -> None:
-    if session.config.getoption("markexpr") != "gpu":  # the GPU lane forks nothing
+    marks = session.config.getoption("markexpr")
+    if "gpu" not in marks or "not gpu" in marks:  # the GPU lane (-m gpu ...) forks nothing
         launch.forkserver()
