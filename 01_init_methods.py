@@ -31,6 +31,8 @@ Words (each is a column of the table rank 0 prints)
   master address and port
               where rank 0 listens so that the others can find it: MASTER_ADDR and
               MASTER_PORT for env://, or written into tcp://HOST:PORT.
+
+Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
 
 from __future__ import annotations
