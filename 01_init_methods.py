@@ -197,6 +197,12 @@ def parse_args(argv=None) -> argparse.Namespace:
         if not (0 <= local < per_node <= args.world_size and local <= args.rank):
             parser.error(f"--local-rank {local} with --local-world-size {per_node} does not fit "
                          f"rank {args.rank} of {args.world_size}")
+        gpus = torch.cuda.device_count() if args.backend != "gloo" else 0
+        if gpus and per_node > gpus:  # one node assumed, but this one cannot hold them all
+            parser.error(f"rank {args.rank} of {args.world_size} on a machine with {gpus} GPU(s): "
+                         f"on several machines give each process --local-rank (its index on "
+                         f"its machine) and --local-world-size; on one, NCCL needs a GPU per "
+                         f"process (or use --backend gloo)")
         args.local_rank, args.local_world_size = local, per_node
     elif args.local_rank is not None or args.local_world_size is not None:
         parser.error("--local-rank and --local-world-size are for a manual launch with --rank")

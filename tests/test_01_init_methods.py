@@ -207,3 +207,21 @@ def test_bad_argument_exits_2_from_the_command_line():
     assert r.returncode == 2, r
     assert r.stderr.strip().splitlines()[-1] == \
         "01_init_methods.py: error: --rank 2 must be < --world-size 2"
+
+
+def test_a_second_machines_rank_without_its_local_rank_is_told_what_to_pass(monkeypatch,
+                                                                            capsys):
+    # by hand on two machines of 2 GPUs: rank 2 started without --local-rank/--local-world-size
+    # would assume one machine of 4 processes (was: "4 processes on this node for 2 GPU(s)")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(SystemExit) as exit_:
+        load_script(SCRIPT).parse_args(["--init-method", "tcp://127.0.0.1:1", "--rank", "2",
+                                        "--world-size", "4"])
+    assert exit_.value.code == 2
+    assert ("rank 2 of 4 on a machine with 2 GPU(s): on several machines give each process "
+            "--local-rank") in capsys.readouterr().err
+    # with them, it fits
+    args = load_script(SCRIPT).parse_args(["--init-method", "tcp://127.0.0.1:1", "--rank", "2",
+                                           "--world-size", "4", "--local-rank", "0",
+                                           "--local-world-size", "2"])
+    assert (args.local_rank, args.local_world_size) == (0, 2)
