@@ -81,3 +81,14 @@ def test_ctrl_c_ends_the_rank_at_once_with_one_line(tmp_path):
     assert r.stderr.strip().splitlines()[-1] == "[rank 0] interrupted", r
     assert "Traceback" not in r.stderr
     assert hooks_that_ran(tmp_path) == ["rank0"]
+
+
+def test_ctrl_c_under_spawn_is_one_line_per_rank_without_a_launcher_traceback(tmp_path):
+    job = Watched("04_checkpoint.py", "--checkpoint-dir", tmp_path, "--save-every", 4,
+                  "--epochs", 50, "--timeout", 60, launcher="spawn", nproc=2)
+    job.wait_for("saved step-00000004.pt")
+    os.killpg(job.proc.pid, signal.SIGINT)  # Ctrl-C: the terminal signals the whole group
+    r = job.finish()
+    assert r.returncode == 1, r
+    ours = [line for line in r.stderr.splitlines() if not re.match(r"[WE]\d{4} ", line)]
+    assert sorted(ours) == ["[rank 0] interrupted", "[rank 1] interrupted"], r
