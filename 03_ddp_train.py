@@ -75,7 +75,6 @@ def main(args: argparse.Namespace) -> None:
               f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
               f"global batch {d.world_size * args.batch_size * args.accum_steps} = "
               f"{d.world_size} ranks x {args.batch_size} x {args.accum_steps} accum; {steps} steps")
-
     history = []
     for epoch in range(args.epochs):
         sampler.set_epoch(epoch)  # same seed + epoch on every rank: a new shared permutation
@@ -104,9 +103,8 @@ def main(args: argparse.Namespace) -> None:
               f"epoch's step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
               f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
               + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else ""))
-        if args.save_model:
-            print(f"saved model.module.state_dict() to {args.save_model}")
-        print(f"verified: {verified}", flush=True)
+        print(f"verified: {verified}" + (f"; rank 0 saved them to {args.save_model}" if
+                                          args.save_model else ""), flush=True)
 
 
 # ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
@@ -200,8 +198,7 @@ def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
 
 
 @dataclass
-class Optim:
-    """The optimizer and what steps with it: the lr schedule and, for fp16, the scaler."""
+class Optim:  # the optimizer and what steps with it
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler  # disabled (a no-op) unless --amp fp16
@@ -247,12 +244,16 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
             so_far = sums.clone()
             dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far, all ranks
             loss_sum, correct, count = so_far.tolist()
+            if not math.isfinite(loss_sum):  # all-reduced: every rank stops here together
+                raise SetupError(f"loss is not finite at step {opt.steps}; lower --lr")
             if d.is_main:
                 print(f"epoch {epoch + 1}/{args.epochs}  step {opt.steps:>5}/{total_steps}  "
                       f"loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  "
                       f"lr {opt.scheduler.get_last_lr()[0]:.4f}", flush=True)
     dist.all_reduce(sums)  # the whole epoch, over every rank's batches
     loss_sum, correct, count = sums.tolist()
+    if not math.isfinite(loss_sum):  # checked before anything is evaluated or saved
+        raise SetupError(f"loss is not finite at step {opt.steps}; lower --lr")
     return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1),
             "images": timed_images * d.world_size, "seconds": clock(d) - started if started else 0}
 

@@ -10,13 +10,11 @@ Run
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
 The training state is one object, TrainState, with state_dict() and load_state_dict(). Rank
-0 writes each checkpoint atomically (temporary file, fsync, rename) with its sha256 beside it.
-At start every rank loads the newest checkpoint that verifies, before DDP wraps the model,
-and carries on at the same step with the same data order and random state: an interrupted
-run ends with the same weights as an uninterrupted one, bit for bit with 1 or 2 processes
-(with 3 or more, DDP's first backward rounds differently). Under torchrun --max-restarts a
-dead worker takes its group down, torchrun restarts them all, and they resume on their own.
-A run resumes whenever --checkpoint-dir holds checkpoints; use a new directory to start over.
+0 writes each checkpoint atomically with its sha256 beside it. At start every rank loads the
+newest one that verifies, before DDP wraps the model, and carries on with the same data
+order and random state: bit for bit the weights of an uninterrupted run, with 1 or 2
+processes. Under torchrun --max-restarts the ranks restart and resume on their own. A run
+resumes whenever --checkpoint-dir holds checkpoints; use a new directory to start over.
 The model and data are small and synthetic: the subject is the checkpoint. Needs torch >= 2.4.
 """
 
@@ -342,6 +340,8 @@ def train(model: DDP, loader: DataLoader, state: TrainState, resumed: bool, args
             else:
                 continue
             dist.all_reduce(loss_sum)  # the mean loss over every rank's batches since the last save
+            if not torch.isfinite(loss_sum[0]):  # before the save: the last finite one stays
+                raise SetupError(f"loss is not finite at step {state.step}; lower --lr")
             path = save_checkpoint(state, args, d)
             if d.is_main:
                 print(f"step {state.step:4d}  loss {(loss_sum[0] / loss_sum[1]).item():.4f}  "

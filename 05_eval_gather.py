@@ -70,6 +70,9 @@ def main(args: argparse.Namespace) -> None:
     # 1. all_reduce: sums of counts are all a scalar metric needs.
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     metrics = metrics_from_sums(sums, num_classes)
+    if not math.isfinite(metrics["loss"]):  # all-reduced: every rank stops here together
+        raise SetupError(f"the loss is not finite: the model's weights hold NaN or inf "
+                         f"({args.checkpoint or 'the seeded model'})")
     # 2. all_gather of tensors: every prediction, back in dataset order.
     table = gather_predictions(rows, d)
     # 3. all_gather_object: any picklable object, here a per-rank report. It pickles,

@@ -12,7 +12,7 @@ from launch import forked, load_script, run
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
 VERIFIED = re.compile(r"^verified: (\d+) rank\(s\) hold identical parameters and buffers "
-                      r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)$", re.M)
+                      r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)", re.M)
 SHORT = ["--train-size", "384", "--val-size", "128", "--batch-size", "32", "--epochs", "2",
          "--image-size", "16", "--log-every", "3", "--timeout", "60"]
 TINY = ["--arch", "resnet18", "--image-size", "16", "--train-size", "64", "--val-size", "32",
@@ -183,6 +183,19 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
     assert message in err
     if args[0] == "--arch":
         assert "resnet18" in err and "vit_b_16" in err  # the error lists the choices
+
+
+def test_a_diverging_run_stops_before_it_saves_anything(tmp_path):
+    # --lr 1e6: the loss overflows within a few steps; the all-reduced loss is checked where
+    # the log and the epoch end already reduce it, so every rank stops, before any save
+    model = tmp_path / "model.pt"
+    r = forked(SCRIPT, *TINY, "--train-size", "256", "--lr", "1e6", "--log-every", "2",
+               "--save-model", model, nproc=2)  # 8 steps
+    assert r.returncode == 1, r
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
+                         r.stderr, re.M), r
+    assert "verified:" not in r.stdout and not model.exists()
 
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():

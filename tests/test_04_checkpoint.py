@@ -225,3 +225,15 @@ def test_bad_arguments_are_usage_errors(capsys):
         with pytest.raises(SystemExit):
             module.parse_args(["--amp", "fp16"])
         assert "--amp fp16 needs CUDA" in capsys.readouterr().err
+
+
+def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
+    # AdamW at lr 1e30: the loss overflows at once; it is checked where it is all-reduced,
+    # before each save, so no checkpoint with NaN weights is written (or prunes a good one)
+    r = forked(SCRIPT, *SMALL[:6], "--save-every", 2, "--lr", "1e30", "--timeout", 60,
+               "--checkpoint-dir", tmp_path, nproc=2)
+    assert r.returncode == 1, r
+    for rank in (0, 1):
+        assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
+                         r.stderr, re.M), r
+    assert not list(tmp_path.glob("step-*")) and "verified" not in r.stdout

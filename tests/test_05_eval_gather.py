@@ -104,3 +104,19 @@ def test_empty_dataset_is_a_usage_error(capsys):
         load_script(SCRIPT).parse_args(["--val-size", "0"])
     assert exit_.value.code == 2
     assert "--val-size: must be >= 1, got 0" in capsys.readouterr().err
+
+
+def test_a_model_with_nan_weights_is_named_as_the_cause(tmp_path):
+    import torch
+    import torchvision
+
+    weights = torchvision.models.get_model("resnet18", num_classes=10).state_dict()
+    weights["fc.weight"][0, 0] = float("nan")
+    checkpoint = tmp_path / "nan.pt"
+    torch.save(weights, checkpoint)
+    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, "--verify", *COMMON,
+               nproc=2)
+    assert r.returncode == 1, r
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: the loss is not finite: the model's weights hold NaN or "
+                f"inf ({checkpoint})") in r.stderr, r
