@@ -114,8 +114,7 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
         shape = (args.num_classes, args.image_size, args.seed)
         return (SyntheticImages(args.train_size, *shape, train=True),
                 SyntheticImages(args.val_size, *shape, train=False), args.num_classes)
-    from torchvision import transforms as T
-    from torchvision.datasets import ImageFolder
+    T = torchvision.transforms
     # Random transforms draw from each DataLoader worker's RNG, which differs per rank.
     norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     train = T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
@@ -123,10 +122,13 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
     val = T.Compose([T.Resize(round(args.image_size * 256 / 224)),
                      T.CenterCrop(args.image_size), T.ToTensor(), norm])
     try:
-        train_set = ImageFolder(args.data / "train", train)
-        val_set = ImageFolder(args.data / "val", val)
+        train_set = torchvision.datasets.ImageFolder(args.data / "train", train)
+        val_set = torchvision.datasets.ImageFolder(args.data / "val", val)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
         raise SetupError(f"--data {args.data}: {e}") from e
+    if val_set.classes != train_set.classes:  # each split numbers its own folders' classes
+        raise SetupError(f"--data {args.data}: val's classes {val_set.classes} differ from "
+                         f"train's {train_set.classes}; their labels would not match")
     return train_set, val_set, len(train_set.classes)
 
 
@@ -172,8 +174,7 @@ def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set:
 def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     kwargs = {"num_classes": num_classes}
     if args.norm == "group":
-        # GroupNorm normalises each sample on its own: no batch statistics, so the model
-        # computes the same thing however the batch is split across processes.
+        # GroupNorm has no batch statistics: the same model however the batch is split
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
     try:
         model = torchvision.models.get_model(args.arch, **kwargs)
@@ -193,8 +194,7 @@ def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
         bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
         find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
         static_graph=args.static_graph,       # same graph every step: DDP can plan ahead
-        gradient_as_bucket_view=args.gradient_as_bucket_view,  # grads live in the buckets
-    )
+        gradient_as_bucket_view=args.gradient_as_bucket_view)  # grads live in the buckets
 
 
 @dataclass

@@ -130,9 +130,14 @@ def build_dataset(args: argparse.Namespace):
                            T.CenterCrop(args.image_size), T.ToTensor(),
                            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
     try:
-        return ImageFolder(root, transform=transform)
+        dataset = ImageFolder(root, transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
         raise SetupError(f"--data {args.data}: {e}") from e
+    train = sorted(p.name for p in (root.parent / "train").glob("*") if p.is_dir())
+    if train and train != dataset.classes:  # labels are class indices: the lists must agree
+        raise SetupError(f"--data {args.data}: the val folder's classes {dataset.classes} "
+                         f"differ from train's {train}, so its labels do not match a model's")
+    return dataset
 
 
 class SyntheticImages(Dataset):

@@ -144,6 +144,24 @@ def test_image_folder_training(tmp_path):
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
 
+def test_train_and_val_with_different_classes_are_refused(tmp_path):
+    # ImageFolder numbers each split's own folders: without val/b, val's "c" would be label 1
+    from PIL import Image
+
+    for split, names in (("train", "abc"), ("val", "ac")):
+        for name in names:
+            (tmp_path / split / name).mkdir(parents=True)
+            Image.new("RGB", (8, 8), (9, 9, 9)).save(tmp_path / split / name / "0.png")
+    r = forked(SCRIPT, "--data", tmp_path, "--image-size", "8", "--timeout", "30").failed()
+    assert (f"[rank 0] error: --data {tmp_path}: val's classes ['a', 'c'] differ from train's "
+            f"['a', 'b', 'c']; their labels would not match") in r.stderr, r
+    assert "Traceback" not in r.stderr
+    r = forked("05_eval_gather.py", "--data", tmp_path, "--image-size", "8",
+               "--timeout", "30").failed()
+    assert (f"[rank 0] error: --data {tmp_path}: the val folder's classes ['a', 'c'] differ "
+            f"from train's ['a', 'b', 'c']") in r.stderr, r
+
+
 def test_unusable_data_is_a_clear_error(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
