@@ -208,7 +208,6 @@ class Optim:  # the optimizer and what steps with it
 def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -> dict:
     model.train()
     micro_batches = len(loader) // args.accum_steps * args.accum_steps  # whole groups only
-    total_steps = micro_batches // args.accum_steps * args.epochs
     amp = AMP_DTYPES.get(args.amp)
     sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
     timed_images, started = 0, None
@@ -247,8 +246,9 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
             if not math.isfinite(loss_sum):  # all-reduced: every rank stops here together
                 raise SetupError(f"loss is not finite at step {opt.steps}; lower --lr")
             if d.is_main:
-                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.steps:>5}/{total_steps}  "
-                      f"loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  "
+                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.steps:>5}/"
+                      f"{opt.scheduler.total_steps}  loss {loss_sum / count:.4f}  "
+                      f"acc {100 * correct / count:5.1f}%  "
                       f"lr {opt.scheduler.get_last_lr()[0]:.4f}", flush=True)
     dist.all_reduce(sums)  # the whole epoch, over every rank's batches
     loss_sum, correct, count = sums.tolist()
