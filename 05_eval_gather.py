@@ -394,12 +394,10 @@ def output_file(text: str) -> Path:
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
 
 
-class SetupError(RuntimeError):
-    """The job cannot run as configured; the message says what to change."""
+class SetupError(RuntimeError): ...  # the job cannot run as configured: the message says why
 
 
-class CheckFailed(RuntimeError):
-    """A property this script demonstrates did not hold."""
+class CheckFailed(RuntimeError): ...  # a property this script demonstrates did not hold
 
 
 def check(ok: bool, name: str, detail: str) -> None:
@@ -410,11 +408,9 @@ def check(ok: bool, name: str, detail: str) -> None:
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
     g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with torch.multiprocessing.spawn; N left out or 0: "
-                        "one per GPU, else 2 (default: the launcher's processes, else one)")
+                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
     g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="give up on a missing peer or a stuck collective, at most 1e6 "
-                        "(default: %(default)g)")
+                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
 
 
 def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -428,15 +424,14 @@ def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace)
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        here = dict(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]))
-    if args.spawn is None:
-        if "RANK" not in os.environ:  # no launcher: a world of one, through the same code path
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1",
-                              **here)
+    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
         run_rank(None, main, args)
-    n = args.spawn or (torch.cuda.device_count() if torch.cuda.is_available() else 2)
-    os.environ.update(WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n), **here)  # as torchrun would
+    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
+                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+    if args.spawn is None:  # no launcher: a world of one, through the same code path
+        run_rank(0, main, args)
     try:
         mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
@@ -460,19 +455,14 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
             re.search(r"third_party/gloo|pair closure|by peer", str(e))
         if not expected:  # a bug, most likely in code pasted in: keep its traceback
             traceback.print_exc()
-        label = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        summary = e if expected else f"{type(e).__name__}: {e}"  # share it
-        sys.stderr.write(f"[rank {rank}] {label}: {summary}\n")
-    atexit._run_exitfuncs()  # the program's exit hooks (a logger's finish, say) still run
-    sys.stdout.flush(), sys.stderr.flush()
-    # os._exit frees the group with the process: no interpreter shutdown (Gloo's threads abort
-    # it, pytorch#190489), no destroy_process_group (can wait on peers: #141510, NOTES.md)
-    os._exit(code)
+        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
+        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
+    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
+    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
 
 
 class Dist(NamedTuple):  # who this process is in the job; setup() returns it
     rank: int
-    local_rank: int  # its index on its own node: it picks the GPU
     world_size: int
     device: torch.device
     is_main: bool  # rank 0: it prints and saves
@@ -486,10 +476,9 @@ def setup(timeout: float, backend: str = "auto", init_method: str = "env://", st
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
                          f"sets whole numbers, each rank below its size, the node's <= the world's")
     if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if local_world > torch.cuda.device_count():
-            raise SetupError(f"{local_world} processes on this node for "
-                             f"{torch.cuda.device_count()} GPU(s): NCCL needs one GPU each")
-        device = torch.device("cuda", local_rank)  # by LOCAL rank: GPU ids restart per node
+        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: one each
+            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
         torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
     else:  # Gloo: CPU tensors, and the node's cores shared among its processes
         device = torch.device("cpu")
@@ -497,19 +486,30 @@ def setup(timeout: float, backend: str = "auto", init_method: str = "env://", st
         torch.set_num_threads(max(1, len(cores) // local_world))
     where = init_method if init_method != "env://" else \
         f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
+    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
+    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
+        try:  # the host must resolve; every other rank waits until rank 0 listens there
+            socket.create_connection(address.groups(), 5).close() if rank else \
+                socket.getaddrinfo(*address.groups())
+            break
+        except socket.gaierror as e:
+            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
+        except OSError:
+            if time.monotonic() > deadline:
+                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
+            time.sleep(0.1)
     try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
         dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
                                 world_size=world, timeout=datetime.timedelta(seconds=timeout),
                                 store=store, init_method=None if store else init_method,
                                 device_id=device if device.type == "cuda" else None)
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        joined = re.search(r"(\d+)/\d+ clients joined", str(e))
-        if joined or re.search(r"timeout|timed out", str(e), re.I):
-            raise SetupError(f"{f'only {joined[1]} of' if joined else 'not all'} {world} ranks "
-                             f"joined within {timeout:g}s ({where}); start the missing ranks or "
-                             f"lower the world size") from e
-        raise SetupError(f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, local_rank, world, device, rank == 0)
+        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
+        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
+                         f"within {timeout:g}s ({where}); start the missing ones" if late else
+                         f"cannot join the process group at {where}: {e}") from e
+    return Dist(rank, world, device, rank == 0)
 # ==== shared plumbing: end =================================================================
 
 

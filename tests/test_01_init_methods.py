@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
 import socket
+import time
 
 import pytest
 import torch
@@ -13,12 +15,14 @@ from launch import (
     REPO,
     command,
     exit_hook_env,
+    finish,
     forked,
     free_port,
     hooks_that_ran,
     load_script,
     run,
     run_many,
+    start,
 )
 
 SCRIPT = "01_init_methods.py"
@@ -74,13 +78,71 @@ def test_spawn_with_tcp_init_passes_ranks_itself():
     assert_one_node_job(r.stdout, 2, "tcp")
 
 
-def test_manual_launch_two_processes_with_file_init(tmp_path):
-    cmds = [command(SCRIPT, ["--init-method", f"file://{tmp_path}/rdzv", "--rank", str(r),
-                             "--world-size", "2", "--timeout", "60"]) for r in (0, 1)]
-    rank0, rank1 = run_many(cmds, timeout=90)
-    rank0.ok(), rank1.ok()
-    assert_one_node_job(rank0.stdout, 2, "file")
+@pytest.mark.parametrize("scheme", ["tcp", "file"])
+def test_manual_launch_from_two_terminals_seconds_apart(scheme, tmp_path):
+    # rank 1 starts first and waits (tcp://: for rank 0's port, within its own deadline;
+    # file://: in the file rank 1 created); rank 0 comes seconds later, as from another
+    # terminal. The gap is the scenario, not a synchronisation: any gap below --timeout joins.
+    init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rdzv"
+    cmds = [command(SCRIPT, ["--init-method", init, "--rank", str(r), "--world-size", "2",
+                             "--timeout", "60"]) for r in (0, 1)]
+    started = time.monotonic()
+    rank1 = start(cmds[1])
+    time.sleep(3)
+    rank0 = start(cmds[0])
+    rank0, rank1 = finish(rank0, cmds[0], 90, started).ok(), finish(rank1, cmds[1], 90, started)
+    rank1.ok()
+    assert_one_node_job(rank0.stdout, 2, scheme)
     assert rank1.stdout == ""  # rank 0 alone tells the story
+    if scheme == "file":  # removed after the final barrier, so the next job finds no leftover
+        assert not (tmp_path / "rdzv").exists()
+
+
+def leftover_rendezvous_file(path) -> None:
+    """What a killed job leaves: two ranks joined over file://PATH, then died without
+    destroying the group (so the FileStore never deleted its file)."""
+    code = ("import os, sys, datetime, torch.distributed as dist; "
+            f"dist.init_process_group('gloo', init_method='file://{path}', rank=int(sys.argv[1]), "
+            "world_size=2, timeout=datetime.timedelta(seconds=30)); dist.barrier(); os._exit(0)")
+    for r in run_many([[PYTHON, "-c", code, str(rank)] for rank in (0, 1)], timeout=60):
+        r.ok()
+    assert path.stat().st_size > 0
+
+
+def test_a_fresh_leftover_rendezvous_file_ends_within_timeout_naming_it(tmp_path):
+    # A complete new job over a killed job's file: whether it can be told apart is a race
+    # (the second rank of a good launch also finds a file), so no refusal at start. Which
+    # way it goes is a race too (torch may read the old ranks' keys, or overwrite them
+    # first): the job either joins and verifies, or each rank names the file; and no rank
+    # waits past --timeout (torch's Gloo retries took 52 s under --timeout 10).
+    leftover_rendezvous_file(tmp_path / "rdzv")
+    r = forked(SCRIPT, "--init-method", f"file://{tmp_path}/rdzv", "--timeout", "5", nproc=2,
+               timeout=60)
+    assert r.seconds < 5 + 2 + 5, r  # the deadline is --timeout + 2 s after init starts
+    if r.returncode == 0:
+        assert r.stdout.strip().splitlines()[-1] == \
+            f"verified: 2 rank(s) joined via file://; {expected_summary(2)}"
+        return
+    hint = f"if every rank is running, {tmp_path}/rdzv may be left by an earlier job: " \
+        "delete it or use a fresh path"
+    lines = [line for line in r.stderr.splitlines() if line.startswith("[rank ")]
+    assert r.returncode == 1 and len(lines) == 2, r
+    assert all(line.endswith(hint) for line in lines), r
+
+
+@pytest.mark.parametrize("world, age", [(1, 0), (2, 3600)])
+def test_a_rendezvous_file_that_is_surely_stale_is_refused_at_start(world, age, tmp_path):
+    # sure: a world of one has no other rank that could have written it; or it is older than
+    # --timeout (+ 5 s), by when every rank of this job that wrote it joined or gave up
+    stale = tmp_path / "rdzv"
+    stale.write_bytes(b"left by a job that was killed")
+    os.utime(stale, (time.time() - age, time.time() - age))
+    args = ["--init-method", f"file://{stale}", "--rank", "0", "--world-size", str(world)]
+    r = forked(SCRIPT, *args, "--timeout", "60", timeout=30).failed()
+    assert r.stderr.strip().splitlines() == [
+        f"[rank 0] error: {stale} is left by an earlier job (last written {age}s ago): delete it "
+        f"or use a fresh path"], r
+    assert r.seconds < 15, r
 
 
 def test_manual_launch_as_two_nodes_states_local_ranks():
@@ -200,6 +262,68 @@ def test_bad_launcher_variables_are_one_line_naming_them(variables):
         f"[rank {variables['RANK']}] error: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are "
         f"{values}: a launcher sets whole numbers, each rank below its size, the node's <= the "
         f"world's"], r
+
+
+def launcher_variables(monkeypatch, rank: int, world: int, address: str, port: int) -> None:
+    values = dict(RANK=rank, WORLD_SIZE=world, LOCAL_RANK=rank, LOCAL_WORLD_SIZE=world,
+                  MASTER_ADDR=address, MASTER_PORT=port)
+    for name, value in values.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)  # this test process's own
+
+
+# In this process: setup() refuses before init_process_group, so no group is left behind.
+def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout(monkeypatch):
+    # torch's own TCPStore client times out, waits a random delay and tries once more: up
+    # to twice --timeout (its warning says "retrying (try=0, timeout=..., delay=...)")
+    launcher_variables(monkeypatch, 1, 2, "127.0.0.1", free_port())
+    script = load_script(SCRIPT)
+    started = time.monotonic()
+    with pytest.raises(script.SetupError) as error:
+        script.setup(timeout=3)
+    assert 3 <= time.monotonic() - started < 3 + 2
+    assert str(error.value) == f"rank 0 is not listening at env:// at 127.0.0.1:" \
+        f"{os.environ['MASTER_PORT']} after 3s"
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_an_unresolvable_master_addr_is_named_at_once(rank, monkeypatch):
+    launcher_variables(monkeypatch, rank, 2, "no-such-host.invalid", 29500)
+    script = load_script(SCRIPT)
+    started = time.monotonic()
+    with pytest.raises(script.SetupError) as error:
+        script.setup(timeout=30)
+    assert time.monotonic() - started < 10
+    assert str(error.value).startswith("cannot resolve the host of env:// at "
+                                       "no-such-host.invalid:29500: ")
+
+
+@pytest.mark.parametrize("gpus, rank, world, device", [(1, 3, 4, "cuda:0"), (2, 1, 2, "cuda:1"),
+                                                       (4, 3, 4, "cuda:3")])
+def test_each_rank_binds_its_gpu_or_the_one_it_was_given(gpus, rank, world, device,
+                                                         monkeypatch):
+    # srun --gpus-per-task=1 or a per-rank CUDA_VISIBLE_DEVICES: each process sees one GPU,
+    # its own, as cuda:0; else local rank r takes cuda:r. Faked counts: setup stops at the
+    # unresolvable address, after binding the device and before any CUDA call is made.
+    launcher_variables(monkeypatch, rank, world, "no-such-host.invalid", 29500)
+    bound = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+    script = load_script(SCRIPT)
+    with pytest.raises(script.SetupError, match="cannot resolve"):
+        script.setup(timeout=30)
+    assert [str(d) for d in bound] == [device]
+
+
+def test_more_processes_than_gpus_is_refused(monkeypatch):
+    launcher_variables(monkeypatch, 0, 4, "127.0.0.1", 29500)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    script = load_script(SCRIPT)
+    with pytest.raises(script.SetupError) as error:
+        script.setup(timeout=30)
+    assert str(error.value) == "4 processes here, 2 GPU(s): NCCL needs a GPU each"
 
 
 def test_bad_argument_exits_2_from_the_command_line():
