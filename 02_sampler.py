@@ -25,6 +25,9 @@ for a dataset of N samples:
   3. rank r takes order[r], order[r+W], order[r+2W], ...
 Every rank therefore yields the same number of samples, which DDP needs: a rank with
 fewer batches would stop calling the gradient all-reduce and the others would wait for it.
+The sampler's drop_last is not the DataLoader's: DataLoader(drop_last=True) drops a rank's
+last, short batch. A training loop with BatchNorm wants that (03_ddp_train.py does it): a
+batch of one image fails there ("Expected more than 1 value per channel when training").
 
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
@@ -263,7 +266,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="epochs to sample (default: %(default)s)")
     parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
                         help="a new random order each epoch (set_epoch) or index order")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed_value, default=0,
                         help="the sampler's seed, the same on every rank (default: %(default)s)")
     parser.add_argument("--drop-last", action="store_true",
                         help="cut the tail to a multiple of the world size instead of padding")
@@ -297,6 +300,7 @@ def bounded(cast, test, rule: str):
 
 positive_int = bounded(int, lambda v: v >= 1, ">= 1")
 nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
+seed_value = bounded(int, lambda v: 0 <= v < 2**32, ">= 0 and < 2**32")  # torch's: < 2**64
 
 
 def output_file(text: str) -> Path:

@@ -15,7 +15,7 @@ and N processes with batch b train exactly like one process with batch N*b (chec
 rank ends with identical parameters and buffers). Global batch = world size x --batch-size
 x --accum-steps; --lr is used as given: to train the same, keep the global batch.
 Your own model and data: replace build_model() and build_datasets(); nothing else depends
-on their shapes. torch.compile: call model.compile() in wrap_ddp, before DDP(model); the
+on their shapes. torch.compile: call model.compile() in main, before DDP(model); the
 first step waits for the slowest rank's compile, so give --timeout room for it. Needs
 torch >= 2.4; for torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
@@ -26,6 +26,7 @@ import argparse
 import atexit
 import datetime
 import hashlib
+import io
 import math
 import os
 import re
@@ -35,7 +36,6 @@ import tempfile
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -58,15 +58,21 @@ def main(args: argparse.Namespace) -> None:
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
     steps = len(train_loader) // args.accum_steps * args.epochs  # optimizer steps in all
-    if steps == 0:
-        raise SetupError(f"--accum-steps {args.accum_steps} needs at least {args.accum_steps} "
-                         f"batches per rank per epoch, but each rank has {len(train_loader)}")
+    if steps == 0:  # full batches only: a last batch of one image would fail in BatchNorm
+        raise SetupError(f"each rank's {len(sampler)} image(s) make {len(train_loader)} full "
+                         f"batch(es) of {args.batch_size}; a step takes {args.accum_steps}")
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
-    ddp_model = wrap_ddp(model, args, d)
+    ddp_model = DDP(model,
+        device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
+        bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
+        find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
+        static_graph=args.static_graph,       # same graph every step: DDP can plan ahead
+        gradient_as_bucket_view=args.gradient_as_bucket_view)  # grads live in the buckets
     torch.manual_seed(args.seed + d.rank)  # but each rank its own dropout masks
+    # fused (GPUs): one kernel per step, and fp16's GradScaler.step then needs no .item() sync
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
-                                weight_decay=args.weight_decay)
+                                weight_decay=args.weight_decay, fused=d.device.type == "cuda")
     opt = Optim(optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, steps),
                 torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"))
     if d.is_main:
@@ -99,7 +105,7 @@ def main(args: argparse.Namespace) -> None:
         (first, _), (last, last_val) = history[0], history[-1]
         images, seconds = (sum(t[key] for t, _ in history) for key in ("images", "seconds"))
         speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # step 1 is not timed
-        print(f"summary: {opt.steps} steps, {speed} on {d.world_size} rank(s) (from each "
+        print(f"summary: {steps} steps, {speed} on {d.world_size} rank(s) (from each "
               f"epoch's step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
               f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
               + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else ""))
@@ -153,11 +159,9 @@ class SyntheticImages(Dataset):
 
 
 def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
-    workers = args.workers  # auto: on CPU the cores train; on a GPU workers prepare batches
-    if workers is None:
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        per_process = cores // int(os.environ["LOCAL_WORLD_SIZE"])  # the affinity mask's share
-        workers = 0 if d.device.type == "cpu" else min(8, per_process)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+    auto = 0 if d.device.type == "cpu" else min(8, cores // int(os.environ["LOCAL_WORLD_SIZE"]))
+    workers = auto if args.workers is None else args.workers  # CPU: the cores train, not workers
     common = dict(batch_size=args.batch_size, num_workers=workers,
                   persistent_workers=workers > 0,        # keep workers alive across epochs
                   pin_memory=d.device.type == "cuda")    # page-locked: async copies to the GPU
@@ -166,7 +170,8 @@ def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set:
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
-    return DataLoader(train_set, sampler=sampler, **common), sampler, \
+    # drop_last: full batches only (a batch of one image fails BatchNorm in training)
+    return DataLoader(train_set, sampler=sampler, drop_last=True, **common), sampler, \
         DataLoader(val_shard, **common)
 
 
@@ -181,6 +186,10 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     except TypeError as e:
         raise SetupError(f"--norm group needs an architecture with a norm_layer argument "
                          f"(resnet*, resnext*, wide_resnet*); {args.arch} has none") from e
+    try:  # one image through it (eval: no statistics change), so a mismatch is named here
+        model.eval()(torch.zeros(1, 3, args.image_size, args.image_size))
+    except (AssertionError, RuntimeError, ValueError) as e:  # vit_b_16 at 16 px, say
+        raise SetupError(f"--arch {args.arch} cannot take {args.image_size} px images: {e}") from e
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
@@ -188,21 +197,10 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     return model
 
 
-def wrap_ddp(model: nn.Module, args: argparse.Namespace, d: Dist) -> DDP:
-    return DDP(model,
-        device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
-        bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
-        find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
-        static_graph=args.static_graph,       # same graph every step: DDP can plan ahead
-        gradient_as_bucket_view=args.gradient_as_bucket_view)  # grads live in the buckets
-
-
-@dataclass
-class Optim:  # the optimizer and what steps with it
+class Optim(NamedTuple):  # the optimizer and what steps with it
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # its last_epoch: the steps taken so far
     scaler: torch.amp.GradScaler  # disabled (a no-op) unless --amp fp16
-    steps: int = 0                # optimizer steps taken so far
 
 
 def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -> dict:
@@ -217,10 +215,9 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
         images = images.to(d.device, dtype=args.dtype, non_blocking=True)
         labels = labels.to(d.device, non_blocking=True)
         step = (i + 1) % args.accum_steps == 0
-        # no_sync: the first K-1 micro-batches accumulate gradients locally; the K-th backward
-        # all-reduces the sum, once. static_graph's first backward must sync (no_sync fails an
-        # assert, pytorch/pytorch#143580): exact, as the K-th all-reduce keeps that average.
-        sync = step or (args.static_graph and opt.steps == 0 and i == 0)
+        # no_sync: micro-batches 1..K-1 accumulate locally, the K-th backward all-reduces the
+        # sum. static_graph's first backward must sync (#143580): exact, the K-th keeps it.
+        sync = step or (args.static_graph and opt.scheduler.last_epoch == 0 and i == 0)
         with nullcontext() if sync else model.no_sync():
             with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                 logits = model(images)
@@ -236,24 +233,24 @@ def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -
         opt.scaler.update()
         opt.optimizer.zero_grad(set_to_none=True)
         opt.scheduler.step()
-        opt.steps += 1
         if started is None:  # time from the end of step 1: it pays one-off costs
             started = clock(d)
-        if opt.steps % args.log_every == 0:
+        if opt.scheduler.last_epoch % args.log_every == 0:
             so_far = sums.clone()
             dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far, all ranks
             loss_sum, correct, count = so_far.tolist()
             if not math.isfinite(loss_sum):  # all-reduced: every rank stops here together
-                raise SetupError(f"loss is not finite at step {opt.steps}; lower --lr")
+                raise SetupError(f"loss is not finite at step {opt.scheduler.last_epoch}; "
+                                 f"lower --lr")
             if d.is_main:
-                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.steps:>5}/"
+                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.scheduler.last_epoch:>5}/"
                       f"{opt.scheduler.total_steps}  loss {loss_sum / count:.4f}  "
                       f"acc {100 * correct / count:5.1f}%  "
                       f"lr {opt.scheduler.get_last_lr()[0]:.4f}", flush=True)
     dist.all_reduce(sums)  # the whole epoch, over every rank's batches
     loss_sum, correct, count = sums.tolist()
     if not math.isfinite(loss_sum):  # checked before anything is evaluated or saved
-        raise SetupError(f"loss is not finite at step {opt.steps}; lower --lr")
+        raise SetupError(f"loss is not finite at step {opt.scheduler.last_epoch}; lower --lr")
     return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1),
             "images": timed_images * d.world_size, "seconds": clock(d) - started if started else 0}
 
@@ -293,10 +290,12 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
 
 
 def save_atomic(state: dict, path: Path) -> None:
-    """torch.save, whole or not at all: into a temporary file, then renamed over path."""
+    """torch.save, whole or not at all: into memory, a temporary file, then renamed over path."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)  # writing a file, torch would fail with a RuntimeError, no reason
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        torch.save(state, tmp)
+        tmp.write_bytes(buffer.getvalue())
         os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
     except OSError as e:  # a full disk, say: name the file, not a traceback
         tmp.unlink(missing_ok=True)
@@ -358,19 +357,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
-    positive = ("train_size", "num_classes", "image_size", "epochs", "batch_size",
-                "accum_steps", "lr", "log_every", "bucket_cap_mb")
-    for name in (*positive, "val_size", "workers"):
+    lowest = dict(train_size=1, val_size=0, num_classes=2, image_size=1, workers=0, epochs=1,
+                  batch_size=1, accum_steps=1, log_every=1, seed=0)  # (one class: always right)
+    for name, low in lowest.items():  # and below 2**32: a seed past 2**64 overflows torch's
         value = getattr(args, name)
-        rule = "> 0" if name in positive else ">= 0"
-        if value is not None and (not value > 0 if name in positive else value < 0):
-            parser.error(f"--{name.replace('_', '-')}: must be {rule}, got {value}")
-    gpu = torch.cuda.is_available()
-    if args.amp == "fp16" and not gpu:
+        if value is not None and not low <= value < 2**32:
+            parser.error(f"--{name.replace('_', '-')}: must be >= {low} and < 2**32, got {value}")
+    if not (args.lr > 0 and args.bucket_cap_mb > 0):  # not nan either
+        parser.error(f"--lr, --bucket-cap-mb: must be > 0, got {args.lr:g}, {args.bucket_cap_mb:g}")
+    if args.amp == "fp16" and not torch.cuda.is_available():
         parser.error("--amp fp16 needs CUDA (float16 autocast, GradScaler); on CPU use bf16")
-    if args.sync_bn and not gpu:
-        parser.error("--sync-bn needs CUDA GPUs: SyncBatchNorm does not run on CPU with Gloo; "
-                     "on CPU use --norm group for batch-independent normalisation")
+    if args.sync_bn and not torch.cuda.is_available():
+        parser.error("--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group")
     if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
         parser.error(f"--data {args.data}: expected folders {args.data}/train and "
                      f"{args.data}/val, one sub-folder per class")

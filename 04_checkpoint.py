@@ -10,12 +10,12 @@ Run
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
 The training state is one object, TrainState, with state_dict() and load_state_dict(). Rank
-0 writes each checkpoint atomically with its sha256 beside it. At start every rank loads the
-newest one that verifies, before DDP wraps the model, and carries on with the same data
-order and random state: bit for bit the weights of an uninterrupted run, with 1 or 2
-processes. Under torchrun --max-restarts the ranks restart and resume on their own. A run
-resumes whenever --checkpoint-dir holds checkpoints; use a new directory to start over.
-The model and data are small and synthetic: the subject is the checkpoint. Needs torch >= 2.4.
+0 locks --checkpoint-dir for its job and writes each checkpoint atomically with its sha256
+beside it. At start every rank loads the newest one that verifies, before DDP wraps the
+model, and carries on with the same data order and random state: bit for bit the weights of
+an uninterrupted run, with 1 or 2 processes. Under torchrun --max-restarts the ranks restart
+and resume on their own; a run resumes whenever the directory holds checkpoints (start over
+in a new one). Small synthetic model and data: the subject is the checkpoint. Torch >= 2.4.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import datetime
+import fcntl
 import hashlib
 import io
 import math
@@ -60,10 +61,10 @@ def main(args: argparse.Namespace) -> None:
         print(f"{d.world_size} process(es) on {d.device.type}, attempt {restarts + 1} "
               f"(TORCHELASTIC_RESTART_COUNT={restarts}), checkpoints in {args.checkpoint_dir}")
     prepare_directory(args.checkpoint_dir, d)
-
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model().to(d.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
+                                  fused=d.device.type == "cuda")  # fp16: GradScaler won't sync
     state = TrainState(model, optimizer,
                        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7),
                        torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"),
@@ -71,7 +72,6 @@ def main(args: argparse.Namespace) -> None:
     torch.manual_seed(args.seed + d.rank)  # then each rank its own dropout stream
     resumed = load_checkpoint(state, args, d)  # before DDP: it loads into the plain model
     ddp_model = DDP(model, device_ids=[d.device] if d.device.type == "cuda" else None)
-
     dataset = SyntheticPatterns(args.train_size, args.seed)
     sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
     # iter(loader) draws its workers' base seed from generator; from the global RNG, that draw
@@ -81,8 +81,7 @@ def main(args: argparse.Namespace) -> None:
                         pin_memory=d.device.type == "cuda")
     if state.epoch >= args.epochs and d.is_main:
         print(f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir")
-    train(ddp_model, loader, state, resumed, args, d)
-
+    train(ddp_model, loader, state, restarts == 0 and not resumed, args, d)
     # ---- checks: identical replicas, and a checkpoint that loads without DDP ----
     for buffer in model.buffers():  # rank 0's BatchNorm statistics, as saved, on every rank
         dist.broadcast(buffer, src=0)
@@ -95,7 +94,6 @@ def main(args: argparse.Namespace) -> None:
         check(all(same), "inference copy", f"a plain model from {path.name} has other weights")
         print(f"verified: every epoch used each of the {args.train_size} samples once "
               f"(plus the sampler's padding)")
-        # Compare the sha256 between runs: an interrupted and resumed run prints the same.
         print(f"verified: {verified}; a plain model loads the same from {path.name}", flush=True)
     dist.barrier()  # the others stay until rank 0 has read the final checkpoint
 
@@ -125,14 +123,18 @@ def attempt_store(timeout: float):
 
 
 def prepare_directory(directory: Path, d: Dist) -> None:
-    """Before training: rank 0 makes sure it can write there; every rank learns the answer."""
+    """Before training, rank 0 locks the directory for this job (another job there would prune
+    and overwrite its checkpoints) and removes a killed save's leftovers; all learn the outcome."""
     error = None
     try:
-        if d.is_main:
+        if d.is_main:  # flock: held until the process ends (the descriptor is never closed)
             directory.mkdir(parents=True, exist_ok=True)
-            for path in [*directory.glob(".step-*.tmp*"), directory / ".write-test"]:
-                path.write_bytes(b"")  # a killed save's leftovers, then a test: can we write?
-                path.unlink()
+            lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT)  # also: can we write?
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            for leftover in directory.glob(".step-*.tmp*"):
+                leftover.unlink()
+    except BlockingIOError:
+        error = f"another job holds {directory}/.lock: use another --checkpoint-dir, or wait"
     except OSError as e:
         error = f"checkpoint directory {directory} is not writable: {e}"
     raise_rank0_error(error)
@@ -213,9 +215,6 @@ def load_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> boo
     if differing:
         raise SetupError(f"{path} was written with different settings ({', '.join(differing)}"
                          f"); resume with the same values or use another --checkpoint-dir")
-    stripped = bool(saved["model"]) and all(k.startswith("module.") for k in saved["model"])
-    if stripped:  # weights saved from the DDP wrapper itself: keys "module.conv..."
-        saved["model"] = {k.removeprefix("module."): v for k, v in saved["model"].items()}
     state.load_state_dict(saved)
     if not d.is_main:
         state.seen.zero_()  # rank 0 carries the epoch's coverage so far
@@ -231,8 +230,7 @@ def load_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> boo
                   f"reseeded; weights, optimizer and data position carry on exactly")
     if d.is_main:
         print(f"resuming from {path}: epoch {state.epoch} with {state.position} of its "
-              f"{args.train_size} samples done, global step {state.step}"
-              + (' (stripped the "module." prefix)' if stripped else ""), flush=True)
+              f"{args.train_size} samples done, global step {state.step}", flush=True)
     return True
 
 
@@ -245,9 +243,8 @@ def read_checkpoint(path: Path) -> dict:
     if hashlib.sha256(data).hexdigest() != (marker.read_text().split() or ["(empty)"])[0]:
         raise Unreadable(f"sha256 mismatch ({len(data)} bytes): truncated or corrupted")
     try:
-        # Onto the CPU, not all onto GPU 0: load_state_dict moves each tensor to its parameter's
-        # device; AdamW's step counters stay on the CPU (pytorch/pytorch#128208). weights_only:
-        # tensors and plain containers only, no code runs.
+        # Onto the CPU, not all onto GPU 0: load_state_dict moves each tensor where its parameter
+        # is (#128208). weights_only: tensors and plain containers only, no code runs.
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
         raise Unreadable(f"torch.load failed: {str(e).splitlines()[0]}") from e
@@ -258,8 +255,7 @@ def read_checkpoint(path: Path) -> dict:
     return state
 
 
-class Unreadable(Exception):
-    """A checkpoint file that cannot be trusted; the message says why."""
+class Unreadable(Exception): ...  # a checkpoint file that cannot be trusted: the message says why
 
 
 # ---- data and training ------------------------------------------------------------------
@@ -310,13 +306,13 @@ class ResumableSampler(DistributedSampler):
         return math.ceil((len(self.dataset) - self.start) / self.num_replicas)
 
 
-def train(model: DDP, loader: DataLoader, state: TrainState, resumed: bool, args, d: Dist):
+def train(model: DDP, loader: DataLoader, state: TrainState, first_attempt: bool, args, d):
     amp = AMP_DTYPES.get(args.amp)
     while state.epoch < args.epochs:
         loader.sampler.set_position(state.epoch, state.position)
         loss_sum = torch.zeros(2, device=d.device)
         for i, (index, x, y) in enumerate(loader, 1):
-            simulate_failure(args, d, state.step, resumed)
+            simulate_failure(args, d, state.step, first_attempt)
             x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
             with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                 loss = F.cross_entropy(model(x), y)
@@ -384,11 +380,9 @@ def save_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> Pat
     return path
 
 
-def simulate_failure(args: argparse.Namespace, d: Dist, step: int, resumed: bool) -> None:
+def simulate_failure(args: argparse.Namespace, d: Dist, step: int, first_attempt: bool):
     """The last rank dies abruptly, like a machine that is gone; on the first attempt only."""
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if (args.simulate_failure == step and d.rank == d.world_size - 1 and restarts == 0
-            and not resumed):
+    if args.simulate_failure == step and d.rank == d.world_size - 1 and first_attempt:
         print(f"[rank {d.rank}] simulated failure at step {step}: SIGKILL to myself", flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -444,9 +438,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
-    for name in ("save_every", "keep", "simulate_failure", "epochs", "train_size", "batch_size"):
-        if getattr(args, name) is not None and getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')}: must be >= 1, got {getattr(args, name)}")
+    lowest = dict(save_every=1, keep=1, simulate_failure=1, epochs=1, train_size=1, batch_size=1,
+                  seed=0)  # and below 2**32: a seed past 2**64 overflows torch's
+    for name, low in lowest.items():
+        value = getattr(args, name)
+        if value is not None and not low <= value < 2**32:
+            parser.error(f"--{name.replace('_', '-')}: must be >= {low} and < 2**32, got {value}")
     if not args.lr > 0:
         parser.error(f"--lr: must be > 0, got {args.lr}")
     if args.amp == "fp16" and not torch.cuda.is_available():
@@ -577,4 +574,7 @@ def setup(timeout: float, backend: str = "auto", init_method: str = "env://", st
 
 
 if __name__ == "__main__":
-    launch(main, parse_args())
+    try:
+        launch(main, parse_args())
+    except SystemExit as e:  # --spawn: a rank died; its checkpoints stay, so the same command
+        sys.exit(f"{e.code}; run the same command to resume" if isinstance(e.code, str) else e.code)

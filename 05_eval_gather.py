@@ -341,7 +341,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="images per batch on each rank (default: %(default)s)")
     parser.add_argument("--workers", type=nonnegative_int, default=0,
                         help="DataLoader worker processes per rank (default: %(default)s)")
-    parser.add_argument("--seed", type=int, default=0,
+    parser.add_argument("--seed", type=seed_value, default=0,
                         help="seeds the synthetic set and the model (default: %(default)s)")
     parser.add_argument("--verify", action="store_true",
                         help="rank 0 also evaluates the whole set alone and compares")
@@ -375,6 +375,7 @@ def bounded(cast, test, rule: str):
 
 positive_int = bounded(int, lambda v: v >= 1, ">= 1")
 nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
+seed_value = bounded(int, lambda v: 0 <= v < 2**32, ">= 0 and < 2**32")  # torch's: < 2**64
 
 
 def output_file(text: str) -> Path:

@@ -349,8 +349,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="make that rank's loss NaN at that step (from 0); join modes")
     parser.add_argument("--lr", type=float, default=0.01,
                         help="SGD learning rate (default: %(default)g)")
-    parser.add_argument("--seed", type=int, default=0,
-                        help="seeds the initial weight (default: %(default)s)")
+    parser.add_argument("--seed", type=int, default=0, help="the initial weight's (default: 0)")
     parser.add_argument("--save-model", type=output_file, metavar="PATH",
                         help="rank 0 saves model.module.state_dict() there at the end")
     add_launch_args(parser)
@@ -361,8 +360,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_launch_args(parser, args)
-    if args.batch_size < 1 or not args.lr > 0:
-        parser.error(f"--batch-size must be >= 1 and --lr > 0, not {args.batch_size}, {args.lr}")
+    if args.batch_size < 1 or not args.lr > 0 or not 0 <= args.seed < 2**32:
+        parser.error(f"--batch-size must be >= 1, --lr > 0, --seed in [0, 2**32); got "
+                     f"{args.batch_size}, {args.lr:g}, {args.seed}")
     if args.nonfinite and args.mode not in ("join", "join-counter"):
         parser.error("--nonfinite-at works with --mode join or join-counter")
     if args.nonfinite and not args.divide_by_initial:

@@ -309,6 +309,18 @@ class Watched:
                 continue
         return found
 
+    def pids_with_cmdline(self, text: str) -> list[int]:
+        """Descendant processes whose command line contains text (mp.spawn's: "spawn_main")."""
+        found = []
+        for pid in _descendants(self.proc.pid):
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    if text.encode() in f.read():
+                        found.append(pid)
+            except OSError:
+                continue
+        return found
+
     def finish(self) -> Run:
         try:
             self.proc.wait(timeout=max(1.0, self.deadline - time.monotonic()))

@@ -97,9 +97,14 @@ def test_forgetting_set_epoch_repeats_the_order_and_says_so(tmp_path):
     assert epochs["0"] == epochs["1"] == epochs["2"]
 
 
-@pytest.mark.parametrize("size", ["0", "-4"])
-def test_empty_or_negative_dataset_is_a_usage_error(size, capsys):
+@pytest.mark.parametrize("args, message", [
+    (["--dataset-size", "0"], "--dataset-size: must be >= 1, got 0"),
+    (["--dataset-size", "-4"], "--dataset-size: must be >= 1, got -4"),
+    (["--seed", "-1"], "--seed: must be >= 0 and < 2**32, got -1"),
+    (["--seed", str(2**64)], f"--seed: must be >= 0 and < 2**32, got {2**64}"),  # overflowed
+])
+def test_out_of_range_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        load_script(SCRIPT).parse_args(["--dataset-size", size])
+        load_script(SCRIPT).parse_args(args)
     assert exit_.value.code == 2
-    assert f"--dataset-size: must be >= 1, got {size}" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import re
+import time
 
 import pytest
 import torch
 
-from launch import forked, load_script, run
+from launch import command, finish, forked, load_script, run, start
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
@@ -38,15 +39,16 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
     assert len(val) == 2  # every validation image counted once, across both ranks
 
 
-def test_spawn_with_shards_smaller_than_a_batch_trains_and_replicas_match():
-    # 40 images over 2 ranks: each rank holds 20, fewer than --batch-size 32, so every
-    # epoch is one short batch per rank, and still one optimizer step
-    r = run(SCRIPT, *TINY[:-4], "--train-size", "40", "--batch-size", "32", "--epochs", "2",
-            launcher="spawn", nproc=2).ok()
-    assert "on 2 x cpu (gloo)" in r.stdout
-    assert "global batch 64 = 2 ranks x 32 x 1 accum; 2 steps" in r.stdout
+@pytest.mark.parametrize("launcher, nproc, images", [("spawn", 2, 66), ("forked", 1, 33)])
+def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, images):
+    # 33 images per rank in batches of 32: the last batch would hold one image, and BatchNorm
+    # fails on it in training ("Expected more than 1 value per channel"). Full batches only.
+    r = run(SCRIPT, *TINY[:-4], "--train-size", images, "--batch-size", "32", "--epochs", "2",
+            launcher=launcher, nproc=nproc).ok()
+    assert f"on {nproc} x cpu (gloo)" in r.stdout
+    assert f"global batch {32 * nproc} = {nproc} ranks x 32 x 1 accum; 2 steps" in r.stdout
     assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
-    assert int(VERIFIED.search(r.stdout)[1]) == 2
+    assert int(VERIFIED.search(r.stdout)[1]) == nproc
 
 
 # --- N processes with batch b == one process with batch N*b, over DDP's knobs ----------------
@@ -167,7 +169,13 @@ def test_unusable_data_is_a_clear_error(tmp_path):
     (tmp_path / "val").mkdir()
     for args, message in [
             (["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
-             "--accum-steps 4 needs at least 4 batches per rank per epoch, but each rank has 2"),
+             "each rank's 64 image(s) make 2 full batch(es) of 32; a step takes 4"),
+            (["--train-size", "64", "--batch-size", "200000"],  # was "global batch 200000"
+             "each rank's 64 image(s) make 0 full batch(es) of 200000; a step takes 1"),
+            (["--train-size", "1"], "each rank's 1 image(s) make 0 full batch(es) of 128"),
+            (["--arch", "vit_b_16", "--image-size", "16"],  # was an AssertionError traceback
+             "--arch vit_b_16 cannot take 16 px images: Wrong image height! Expected 224 but "
+             "got 16!"),
             (["--data", tmp_path], f"--data {tmp_path}: Couldn't find any class folder in "
                                    f"{tmp_path}/train")]:
         r = forked(SCRIPT, *args, "--timeout", "30").failed()
@@ -183,13 +191,17 @@ def test_unusable_data_is_a_clear_error(tmp_path):
     (["--save-model", "/proc/no/such/model.pt"],  # refused as root too, where os.access lies
      "--save-model: cannot write /proc/no/such/model.pt: /proc/no: No such file or directory"),
     (["--save-model", "/tmp"], "--save-model: cannot write /tmp: it is a folder"),
-    (["--batch-size", "0"], "--batch-size: must be > 0, got 0"),
-    (["--accum-steps", "0"], "--accum-steps: must be > 0, got 0"),
-    (["--val-size", "-1"], "--val-size: must be >= 0, got -1"),
-    (["--lr", "nan"], "--lr: must be > 0, got nan"),
+    (["--batch-size", "0"], "--batch-size: must be >= 1 and < 2**32, got 0"),
+    (["--accum-steps", "0"], "--accum-steps: must be >= 1 and < 2**32, got 0"),
+    (["--val-size", "-1"], "--val-size: must be >= 0 and < 2**32, got -1"),
+    (["--num-classes", "1"], "--num-classes: must be >= 2 and < 2**32, got 1"),  # was 100%
+    (["--seed", "-1"], "--seed: must be >= 0 and < 2**32, got -1"),
+    (["--seed", str(2**64)],  # was an overflow traceback from torch.manual_seed
+     f"--seed: must be >= 0 and < 2**32, got {2**64}"),
+    (["--lr", "nan"], "--lr, --bucket-cap-mb: must be > 0, got nan, 25"),
     (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
     (["--amp", "fp16"], "--amp fp16 needs CUDA"),
-    (["--sync-bn"], "--sync-bn needs CUDA GPUs: SyncBatchNorm does not run on CPU with Gloo"),
+    (["--sync-bn"], "--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     if torch.cuda.is_available() and args[0] in ("--amp", "--sync-bn"):
@@ -214,6 +226,21 @@ def test_a_diverging_run_stops_before_it_saves_anything(tmp_path):
         assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
                          r.stderr, re.M), r
     assert "verified:" not in r.stdout and not model.exists()
+
+
+def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp_path):
+    # A write that fails part-way, as on a full disk: here a 1 MB file-size limit (ulimit -f;
+    # Python ignores SIGXFSZ, so write() fails with EFBIG where a full disk gives ENOSPC).
+    # torch.save straight to the file failed with a RuntimeError traceback naming no file.
+    model = tmp_path / "model.pt"
+    model.write_bytes(b"an earlier run's weights")
+    cmd = ["bash", "-c", 'ulimit -f 1024 && exec "$0" "$@"',
+           *command(SCRIPT, [*TINY, "--save-model", str(model)])]
+    r = finish(start(cmd), cmd, 120, time.monotonic()).failed()
+    assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {model}: File too "
+                                             f"large"], r
+    assert model.read_bytes() == b"an earlier run's weights"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
 
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():

@@ -164,24 +164,28 @@ def test_a_directory_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     assert "step 0" not in r.stdout  # it did not start from scratch
 
 
-def test_a_checkpoint_with_module_prefixed_keys_resumes_exactly(tmp_path, reference):
-    expected, finished = reference(1)
-    shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
-    for name in ("step-00000064.pt", "step-00000064.pt.sha256"):
-        (tmp_path / name).unlink()
-    path = tmp_path / "step-00000060.pt"
-    state = torch.load(path, weights_only=True)
-    state["model"] = {f"module.{k}": v for k, v in state["model"].items()}  # as DDP saves it
-    torch.save(state, path)
-    write_sidecar(path)
-    r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
-    assert 'global step 60 (stripped the "module." prefix)' in r.stdout
-    assert final_state(r.stdout) == expected
+def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference):
+    # Two jobs in one folder pruned and overwrote each other's checkpoints, and both ended
+    # "verified". Rank 0 holds a lock on DIR/.lock for its job's life.
+    first = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path)
+    first.wait_for("saved step-00000012.pt")  # the first job is under way
+    second = forked(SCRIPT, *SMALL, "--seed", 1, "--checkpoint-dir", tmp_path, nproc=2).failed()
+    for rank in (0, 1):
+        assert (f"[rank {rank}] error: another job holds {tmp_path}/.lock: use another "
+                f"--checkpoint-dir, or wait") in second.stderr, second
+    expected, _ = reference(1)
+    assert final_state(first.finish().ok().stdout) == expected  # untouched by the second
+    # once the first has ended, the lock is free: the same command resumes (nothing to do)
+    again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
+    assert "nothing to do: --epochs 2 are done" in again.stdout
 
 
 def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
-    forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
-           nproc=3).failed()
+    # the crash under --spawn: the launching process says that the same command resumes
+    crashed = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
+                  launcher="spawn", nproc=3).failed()
+    assert crashed.stderr.strip().splitlines()[-1] == \
+        "error: spawned process 2 exited with code -9; run the same command to resume", crashed
     # Left: step 12 by three ranks. Epoch 0 took 11 steps (171 = 513 / 3 per rank, one padding
     # repeat); step 12 is epoch 1's first, 48 of 512 samples. Go on with two: 464 left, 232
     # per rank, 15 steps (the last one of 8), so epoch 1 ends at step 27.
@@ -214,9 +218,11 @@ def test_an_unwritable_checkpoint_dir_stops_every_rank_before_training(tmp_path)
 
 def test_bad_arguments_are_usage_errors(capsys):
     module = load_script(SCRIPT)
-    for argv, message in [(["--save-every", "0"], "must be >= 1, got 0"),
-                          (["--keep", "-1"], "must be >= 1, got -1"),
-                          (["--lr", "0"], "--lr: must be > 0, got 0.0")]:
+    for argv, message in [
+            (["--save-every", "0"], "--save-every: must be >= 1 and < 2**32, got 0"),
+            (["--keep", "-1"], "--keep: must be >= 1 and < 2**32, got -1"),
+            (["--seed", str(2**64)], f"--seed: must be >= 0 and < 2**32, got {2**64}"),
+            (["--lr", "0"], "--lr: must be > 0, got 0.0")]:
         with pytest.raises(SystemExit) as e:
             module.parse_args(argv)
         assert e.value.code == 2

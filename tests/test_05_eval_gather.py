@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import pytest
 
-from launch import forked, load_script, run
+from launch import command, finish, forked, load_script, run, start
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
@@ -99,11 +100,30 @@ def test_both_outputs_to_one_file_is_a_usage_error(tmp_path, capsys):
     assert "--metrics-json and --predictions name the same file" in capsys.readouterr().err
 
 
-def test_empty_dataset_is_a_usage_error(capsys):
+def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path):
+    # A write that fails part-way, as on a full disk: here a 1 KB file-size limit (ulimit -f;
+    # Python ignores SIGXFSZ, so write() fails with EFBIG where a full disk gives ENOSPC). The
+    # predictions of 256 images are about 3 KB; written in place they were left truncated.
+    predictions = tmp_path / "pred.csv"
+    predictions.write_text("an earlier run's predictions\n")
+    cmd = ["bash", "-c", 'ulimit -f 1 && exec "$0" "$@"',
+           *command(SCRIPT, ["--val-size", "256", "--predictions", str(predictions), *COMMON])]
+    r = finish(start(cmd), cmd, 120, time.monotonic()).failed()
+    assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {predictions}: File "
+                                             f"too large"], r
+    assert predictions.read_text() == "an earlier run's predictions\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["pred.csv"]  # no temporary file left
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--val-size", "0"], "--val-size: must be >= 1, got 0"),
+    (["--seed", str(2**64)], f"--seed: must be >= 0 and < 2**32, got {2**64}"),  # overflowed
+])
+def test_out_of_range_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        load_script(SCRIPT).parse_args(["--val-size", "0"])
+        load_script(SCRIPT).parse_args(args)
     assert exit_.value.code == 2
-    assert "--val-size: must be >= 1, got 0" in capsys.readouterr().err
+    assert message in capsys.readouterr().err
 
 
 def test_a_model_with_nan_weights_is_named_as_the_cause(tmp_path):

@@ -119,6 +119,8 @@ def test_saved_model_holds_the_verified_weight(tmp_path):
     (["--mode", "throw", "--nonfinite-at", "0:1"], "works with --mode join or join-counter"),
     (["--nonfinite-at", "0:1", "--no-divide-by-initial-world-size"],
      "--nonfinite-at needs --divide-by-initial-world-size"),
+    (["--seed", str(2**64)],  # overflowed in torch.manual_seed
+     f"--batch-size must be >= 1, --lr > 0, --seed in [0, 2**32); got 2, 0.01, {2**64}"),
 ])
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
