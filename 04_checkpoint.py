@@ -88,8 +88,7 @@ def main(args: argparse.Namespace) -> None:
     verified = verify_replicas_identical(model, d)
     if d.is_main:  # the last checkpoint as an inference job loads it: a plain model, no DDP
         path = sorted(args.checkpoint_dir.glob("step-*.pt"))[-1]
-        plain = build_model()
-        plain.load_state_dict(read_checkpoint(path)["model"])
+        (plain := build_model()).load_state_dict(read_checkpoint(path)["model"])
         same = map(torch.equal, plain.state_dict().values(), model.cpu().state_dict().values())
         check(all(same), "inference copy", f"a plain model from {path.name} has other weights")
         print(f"verified: every epoch used each of the {args.train_size} samples once "
@@ -99,11 +98,12 @@ def main(args: argparse.Namespace) -> None:
 
 
 def attempt_store(timeout: float):
-    """Under torchrun, a fresh TCPStore per attempt (copy it into any script run with
-    --max-restarts): the agent's outlives restarts with the dead group's keys (pytorch/pytorch
-    #135712), and restart counts differ by node (#147064). Rank 0 posts its port in the
-    agent's store; the others use it once it answers: a dead attempt's port won't."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    """Under torchrun --max-restarts, a fresh TCPStore per attempt: the agent's outlives restarts
+    with the dead group's keys (pytorch/pytorch#135712), and restart counts differ by node
+    (#147064). Rank 0 posts its port in the agent's store; the others use it once it answers.
+    No restarts: the agent's, which outlives rank 0 (NCCL's dump signal travels there)."""
+    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or \
+            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host, limit = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout)
     agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit)

@@ -88,7 +88,7 @@ def test_manual_launch_from_two_terminals_seconds_apart(scheme, tmp_path):
                              "--timeout", "60"]) for r in (0, 1)]
     started = time.monotonic()
     rank1 = start(cmds[1])
-    time.sleep(3)
+    time.sleep(2)
     rank0 = start(cmds[0])
     rank0, rank1 = finish(rank0, cmds[0], 90, started).ok(), finish(rank1, cmds[1], 90, started)
     rank1.ok()
@@ -116,9 +116,9 @@ def test_a_fresh_leftover_rendezvous_file_ends_within_timeout_naming_it(tmp_path
     # first): the job either joins and verifies, or each rank names the file; and no rank
     # waits past --timeout (torch's Gloo retries took 52 s under --timeout 10).
     leftover_rendezvous_file(tmp_path / "rdzv")
-    r = forked(SCRIPT, "--init-method", f"file://{tmp_path}/rdzv", "--timeout", "5", nproc=2,
+    r = forked(SCRIPT, "--init-method", f"file://{tmp_path}/rdzv", "--timeout", "3", nproc=2,
                timeout=60)
-    assert r.seconds < 5 + 2 + 5, r  # the deadline is --timeout + 2 s after init starts
+    assert r.seconds < 3 + 2 + 5, r  # the deadline is --timeout + 2 s after init starts
     if r.returncode == 0:
         assert r.stdout.strip().splitlines()[-1] == \
             f"verified: 2 rank(s) joined via file://; {expected_summary(2)}"

@@ -181,11 +181,8 @@ def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference)
 
 
 def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
-    # the crash under --spawn: the launching process says that the same command resumes
-    crashed = run(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
-                  launcher="spawn", nproc=3).failed()
-    assert crashed.stderr.strip().splitlines()[-1] == \
-        "error: spawned process 2 exited with code -9; run the same command to resume", crashed
+    forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
+           nproc=3).failed()
     # Left: step 12 by three ranks. Epoch 0 took 11 steps (171 = 513 / 3 per rank, one padding
     # repeat); step 12 is epoch 1's first, 48 of 512 samples. Go on with two: 464 left, 232
     # per rank, 15 steps (the last one of 8), so epoch 1 ends at step 27.
@@ -243,3 +240,11 @@ def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
         assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
                          r.stderr, re.M), r
     assert not list(tmp_path.glob("step-*")) and "verified" not in r.stdout
+
+
+def test_without_restarts_the_agents_store_stays(monkeypatch):
+    # torchrun without --max-restarts: no attempt can follow, so the agent's store (which
+    # outlives rank 0) stays the group's; NCCL relays its flight-recorder dump signal there
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
+    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+    assert load_script(SCRIPT).attempt_store(5) is None
