@@ -479,7 +479,7 @@ def setup(timeout: float, backend: str = "auto", init_method: str = "env://", st
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
                          f"sets whole numbers, each rank below its size, the node's <= the world's")
     if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: one each
+        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
             raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
         device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
         torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
