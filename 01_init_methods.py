@@ -70,8 +70,8 @@ def main(args: argparse.Namespace) -> None:
     summary = verify_collectives(d)
     dist.barrier()  # nobody leaves while another rank may still be checking
     # torch's FileStore deletes its file when destroyed, but every rank ends with os._exit
-    if args.init_method.startswith("file://") and d.is_main:  # past the barrier: no rank needs it
-        Path(args.init_method[7:]).unlink(missing_ok=True)
+    if args.rendezvous_file and d.is_main:  # past the barrier: no rank needs it any more
+        args.rendezvous_file.unlink(missing_ok=True)
     if d.is_main:
         print(f"verified: {d.world_size} rank(s) joined via {args.init_method.split('//')[0]}//; "
               f"{summary}", flush=True)
@@ -81,9 +81,9 @@ def join(args: argparse.Namespace) -> Dist:
     """setup(), and for file:// what torch cannot tell: torch needs a file that is new (or
     empty) at every init. An earlier job's leftover file can make Gloo connect to addresses
     of ranks long gone, retrying well past --timeout, or even pair up with the wrong ranks."""
-    if not args.init_method.startswith("file://"):
+    if not args.rendezvous_file:
         return setup(args.timeout, args.backend, args.init_method)
-    path, world = Path(args.init_method[7:]), int(os.environ["WORLD_SIZE"])
+    path, world = args.rendezvous_file, int(os.environ["WORLD_SIZE"])
     age = time.time() - path.stat().st_mtime if path.exists() else None
     # Sure to be stale: no other rank in a world of one; or older than --timeout (plus a
     # margin), by when every rank of this job that wrote it has joined or given up.
@@ -243,10 +243,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.local_rank, args.local_world_size = local, per_node
     elif args.local_rank is not None or args.local_world_size is not None:
         parser.error("--local-rank and --local-world-size are for a manual launch with --rank")
-    folder = Path(args.init_method[len("file://"):]).parent  # torch waits forever if absent
-    if scheme == "file" and not folder.is_dir():
-        parser.error(f"--init-method {args.init_method!r}: the folder {folder} does not exist; "
-                     f"every process must see it")
+    args.rendezvous_file = Path(args.init_method[len("file://"):]) if scheme == "file" else None
+    if args.rendezvous_file and not args.rendezvous_file.parent.is_dir():  # torch'd wait forever
+        parser.error(f"--init-method {args.init_method!r}: the folder "
+                     f"{args.rendezvous_file.parent} does not exist; every process must see it")
     if args.spawn is not None and args.rank is not None:
         parser.error("--spawn assigns ranks itself; drop --rank/--world-size")
     if scheme != "env" and args.spawn is None and args.rank is None and "RANK" not in os.environ:

@@ -135,12 +135,17 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
 
 
 def run(script: str, *args: str, launcher: str = "single", nproc: int = 2,
-        timeout: float = 120, env: dict | None = None, extra=(), gpu: bool = False) -> Run:
-    """launcher "forked": forked() below, for tests that try several launchers."""
+        timeout: float = 120, env: dict | None = None, extra=(), gpu: bool = False,
+        file_size_kb: int | None = None) -> Run:
+    """launcher "forked": forked() below, for tests that try several launchers.
+    file_size_kb: ulimit -f for the launch, so a write past it fails part-way as on a full
+    disk (Python ignores SIGXFSZ: write() fails with EFBIG where a full disk gives ENOSPC)."""
     if launcher == "forked":
-        assert not extra and not gpu, "a forked run has no torchrun options and no GPUs"
+        assert not extra and not gpu and not file_size_kb, "a forked run is none of these"
         return forked(script, *args, nproc=nproc, timeout=timeout, env=env)
     cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
+    if file_size_kb:
+        cmd = ["bash", "-c", f'ulimit -f {file_size_kb} && exec "$0" "$@"', *cmd]
     started = time.monotonic()
     return finish(start(cmd, env, gpu), cmd, timeout, started)
 

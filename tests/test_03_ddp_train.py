@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import re
-import time
 
 import pytest
 import torch
 
-from launch import command, finish, forked, load_script, run, start
+from launch import forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
@@ -229,14 +228,11 @@ def test_a_diverging_run_stops_before_it_saves_anything(tmp_path):
 
 
 def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp_path):
-    # A write that fails part-way, as on a full disk: here a 1 MB file-size limit (ulimit -f;
-    # Python ignores SIGXFSZ, so write() fails with EFBIG where a full disk gives ENOSPC).
+    # A write that fails part-way, as on a full disk: here a 1 MB file-size limit (launch.run).
     # torch.save straight to the file failed with a RuntimeError traceback naming no file.
     model = tmp_path / "model.pt"
     model.write_bytes(b"an earlier run's weights")
-    cmd = ["bash", "-c", 'ulimit -f 1024 && exec "$0" "$@"',
-           *command(SCRIPT, [*TINY, "--save-model", str(model)])]
-    r = finish(start(cmd), cmd, 120, time.monotonic()).failed()
+    r = run(SCRIPT, *TINY, "--save-model", model, file_size_kb=1024).failed()
     assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {model}: File too "
                                              f"large"], r
     assert model.read_bytes() == b"an earlier run's weights"

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import pytest
 
-from launch import command, finish, forked, load_script, run, start
+from launch import forked, load_script, run
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
@@ -101,14 +100,12 @@ def test_both_outputs_to_one_file_is_a_usage_error(tmp_path, capsys):
 
 
 def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path):
-    # A write that fails part-way, as on a full disk: here a 1 KB file-size limit (ulimit -f;
-    # Python ignores SIGXFSZ, so write() fails with EFBIG where a full disk gives ENOSPC). The
-    # predictions of 256 images are about 3 KB; written in place they were left truncated.
+    # A write that fails part-way, as on a full disk: here a 1 KB file-size limit (launch.run).
+    # The predictions of 256 images are about 3 KB; written in place they were left truncated.
     predictions = tmp_path / "pred.csv"
     predictions.write_text("an earlier run's predictions\n")
-    cmd = ["bash", "-c", 'ulimit -f 1 && exec "$0" "$@"',
-           *command(SCRIPT, ["--val-size", "256", "--predictions", str(predictions), *COMMON])]
-    r = finish(start(cmd), cmd, 120, time.monotonic()).failed()
+    r = run(SCRIPT, "--val-size", 256, "--predictions", predictions, *COMMON,
+            file_size_kb=1).failed()
     assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {predictions}: File "
                                              f"too large"], r
     assert predictions.read_text() == "an earlier run's predictions\n"
