@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import os
 import re
+import signal
 import socket
 import sys
+import tempfile
 import threading
-import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -61,84 +63,134 @@ def main(args: argparse.Namespace) -> None:
     d = join(args)  # the process group, with every rank in it
     rows = [None] * d.world_size
     dist.all_gather_object(rows, describe_rank(d))  # any picklable object, one per rank
-    if d.is_main:
-        print(f"process group up: init_method={args.init_method} backend={dist.get_backend()} "
-              f"world_size={d.world_size}")
+    if d.rank == 0:
+        print(
+            f"process group up: init_method={args.init_method} backend={dist.get_backend()} "
+            f"world_size={d.world_size}"
+        )
         print(rank_table(rows), flush=True)
     # ---- checks: every rank checks the gathered table and four collectives with known answers
     verify_table(rows, d.world_size)
-    summary = verify_collectives(d)
+    summary = verify_collectives(d, args.timeout)
     dist.barrier()  # nobody leaves while another rank may still be checking
     # torch's FileStore deletes its file when destroyed, but every rank ends with os._exit
-    if args.rendezvous_file and d.is_main:  # past the barrier: no rank needs it any more
+    if args.rendezvous_file and d.rank == 0:  # past the barrier: no rank needs it any more
         args.rendezvous_file.unlink(missing_ok=True)
-    if d.is_main:
-        print(f"verified: {d.world_size} rank(s) joined via {args.init_method.split('//')[0]}//; "
-              f"{summary}", flush=True)
+    if d.rank == 0:
+        print(
+            f"verified: {d.world_size} rank(s) joined via {args.init_method.split('//')[0]}//; "
+            f"{summary}",
+            flush=True,
+        )
 
 
 def join(args: argparse.Namespace) -> Dist:
-    """setup(), and for file:// what torch cannot tell: torch needs a file that is new (or
-    empty) at every init. An earlier job's leftover file can make Gloo connect to addresses
-    of ranks long gone, retrying well past --timeout, or even pair up with the wrong ranks."""
-    if not args.rendezvous_file:
-        return setup(args.timeout, args.backend, args.init_method)
-    path, world = args.rendezvous_file, int(os.environ["WORLD_SIZE"])
-    age = time.time() - path.stat().st_mtime if path.exists() else None
-    # Sure to be stale: no other rank in a world of one; or older than --timeout (plus a
-    # margin), by when every rank of this job that wrote it has joined or given up.
-    if age is not None and (world == 1 or age > args.timeout + 5):
-        raise SetupError(f"{path} is left by an earlier job (last written {age:.0f}s ago): "
-                         f"delete it or use a fresh path")
-    hint = (f"; if every rank is running, {path} may be left by an earlier job: delete it or "
-            f"use a fresh path")
-
-    def give_up() -> None:  # init_process_group cannot be interrupted: end the process
-        sys.stderr.write(f"[rank {os.environ['RANK']}] error: not all of {world} ranks joined "
-                         f"within {args.timeout:g}s ({args.init_method}){hint}\n")
-        sys.stderr.flush()
-        os._exit(1)
-
-    deadline = threading.Timer(args.timeout + 2, give_up)
+    """Join the process group. env:// (torchrun, --spawn, one process) is the shared setup();
+    tcp:// and file:// are done here, where each way of meeting can be seen."""
+    if args.init_method == "env://":  # MASTER_ADDR:MASTER_PORT: rank 0's TCP store
+        return setup(args.timeout, backend=args.backend)
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
+    device = bind_device(local_rank, local_world, args.backend)
+    hint = ""
+    if args.rendezvous_file:
+        hint = check_rendezvous_file(args.rendezvous_file, world, args.timeout)
+    # tcp://HOST:PORT: rank 0 listens there, the others connect (torch retries, with delays).
+    # file://PATH: every rank writes its address into the file and reads the others'.
+    # Neither wait can be interrupted, and neither always ends at the timeout: this does.
+    late = f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method})"
+    deadline = threading.Timer(args.timeout + 2, end, (1, f"error: {late}{hint}"))
     deadline.start()
+    backend = "nccl" if device.type == "cuda" else "gloo"
     try:
-        return setup(args.timeout, args.backend, args.init_method)
-    except SetupError as e:
-        raise SetupError(f"{e}{hint}") from e
-    finally:
-        deadline.cancel()
+        dist.init_process_group(
+            backend,
+            init_method=args.init_method,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=args.timeout),
+            device_id=device if device.type == "cuda" else None,
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        if re.search(r"(?i)time ?out|timed out", first):  # file://'s is "Wait timeout"
+            raise SetupError(f"{late}: {first}{hint}") from e
+        raise SetupError(
+            f"cannot join the process group at {args.init_method}: {first}{hint}"
+        ) from e
+    deadline.cancel()
+    return Dist(rank, world, device)
+
+
+def check_rendezvous_file(path: Path, world: int, timeout: float) -> str:
+    """torch needs a file that is new (or empty) at every init: an earlier job's leftover can
+    make Gloo connect to ranks long gone, retrying well past --timeout, or pair up with the
+    wrong ranks. Refuse one that is surely stale; else return a hint for any failure."""
+    if path.exists():
+        # Its age by the file server's clock (a file made now), not this machine's: clocks differ
+        with tempfile.NamedTemporaryFile(dir=path.parent) as now:
+            age = os.stat(now.name).st_mtime - path.stat().st_mtime
+        # Surely stale: no other rank in a world of one; or older than --timeout (plus a
+        # margin), by when every rank of this job that wrote it has joined or given up.
+        if world == 1 or age > timeout + 5:
+            raise SetupError(
+                f"{path} is left by an earlier job (last written {age:.0f}s ago): "
+                f"delete it or use a fresh path"
+            )
+    earlier = f"{path} may be left by an earlier job: delete it or use a fresh path"
+    return f"; if every rank is running, {earlier}"
 
 
 def describe_rank(d: Dist) -> dict:
     # which machine: torchrun's GROUP_RANK, else the node size says it (rank = node * size + local)
     local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
     node_rank = int(os.environ.get("GROUP_RANK", (d.rank - local_rank) // per_node))
-    return dict(rank=d.rank, local_rank=local_rank, node_rank=node_rank,
-                world_size=dist.get_world_size(), host=socket.gethostname(), pid=os.getpid(),
-                backend=dist.get_backend(), device=str(d.device))
+    return dict(
+        rank=d.rank,
+        local_rank=local_rank,
+        node_rank=node_rank,
+        world_size=dist.get_world_size(),
+        host=socket.gethostname(),
+        pid=os.getpid(),
+        backend=dist.get_backend(),
+        device=str(d.device),
+    )
 
 
 def rank_table(rows: list[dict]) -> str:
-    lines = [f"{'rank':>4} {'local':>5} {'node':>4} {'world':>5}  {'host':<20} {'pid':>7}  "
-             f"{'backend':<7} device"]
+    lines = [
+        f"{'rank':>4} {'local':>5} {'node':>4} {'world':>5}  {'host':<20} {'pid':>7}  "
+        f"{'backend':<7} device"
+    ]
     for r in rows:
-        lines.append(f"{r['rank']:>4} {r['local_rank']:>5} {r['node_rank']:>4} "
-                     f"{r['world_size']:>5}  {r['host'][:20]:<20} {r['pid']:>7}  "
-                     f"{r['backend']:<7} {r['device']}")
+        lines.append(
+            f"{r['rank']:>4} {r['local_rank']:>5} {r['node_rank']:>4} "
+            f"{r['world_size']:>5}  {r['host'][:20]:<20} {r['pid']:>7}  "
+            f"{r['backend']:<7} {r['device']}"
+        )
     return "\n".join(lines)
 
 
 def verify_table(rows: list[dict], world_size: int) -> None:
-    check(sorted(r["rank"] for r in rows) == list(range(world_size)), "ranks",
-          f"expected each of 0..{world_size - 1} once, got {[r['rank'] for r in rows]}")
-    check(all(r["world_size"] == world_size for r in rows), "world size",
-          f"ranks disagree: {[r['world_size'] for r in rows]}")
+    check(
+        sorted(r["rank"] for r in rows) == list(range(world_size)),
+        "ranks",
+        f"expected each of 0..{world_size - 1} once, got {[r['rank'] for r in rows]}",
+    )
+    check(
+        all(r["world_size"] == world_size for r in rows),
+        "world size",
+        f"ranks disagree: {[r['world_size'] for r in rows]}",
+    )
     slots = [(r["node_rank"], r["local_rank"]) for r in rows]
-    check(len(set(slots)) == len(slots), "local ranks",
-          f"two processes share a (node rank, local rank) slot: {sorted(slots)}")
+    check(
+        len(set(slots)) == len(slots),
+        "local ranks",
+        f"two processes share a (node rank, local rank) slot: {sorted(slots)}",
+    )
 
 
-def verify_collectives(d: Dist) -> str:
+def verify_collectives(d: Dist, timeout: float) -> str:
     ws, rank, dev = d.world_size, d.rank, d.device
 
     t = torch.tensor([rank], dtype=torch.int64, device=dev)
@@ -157,45 +209,70 @@ def verify_collectives(d: Dist) -> str:
     check(token.item() == 1000 + ws, "broadcast", f"expected {1000 + ws}, got {token.item()}")
 
     # Every rank must call new_group for every group, members or not, in the same order.
+    # A group's timeout is the backend's default (10 or 30 min), not the default group's.
+    limit = datetime.timedelta(seconds=timeout)
     evens, odds = list(range(0, ws, 2)), list(range(1, ws, 2))
-    groups = {"even": dist.new_group(evens)}
+    groups = {"even": dist.new_group(evens, timeout=limit)}
     if odds:
-        groups["odd"] = dist.new_group(odds)
+        groups["odd"] = dist.new_group(odds, timeout=limit)
     name, members = ("even", evens) if rank % 2 == 0 else ("odd", odds)
     s = torch.tensor([rank], dtype=torch.int64, device=dev)
     dist.all_reduce(s, group=groups[name])  # only the members of my group take part
-    check(s.item() == sum(members), f"all_reduce in the {name} group",
-          f"expected {sum(members)} (ranks {members}), got {s.item()}")
+    check(
+        s.item() == sum(members),
+        f"all_reduce in the {name} group",
+        f"expected {sum(members)} (ranks {members}), got {s.item()}",
+    )
     sums = [None] * ws
     dist.all_gather_object(sums, (name, s.item()))
     group_sums = dict(sums)
 
-    return (f"all_reduce sum={t.item()}, all_gather={[g[0] for g in got]}, "
-            f"broadcast={token.item()}, "
-            + ", ".join(f"{n} group {m} sum={group_sums[n]}"
-                        for n, m in (("even", evens), ("odd", odds)) if m))
+    return (
+        f"all_reduce sum={t.item()}, all_gather={[g[0] for g in got]}, "
+        f"broadcast={token.item()}, "
+        + ", ".join(
+            f"{n} group {m} sum={group_sums[n]}" for n, m in (("even", evens), ("odd", odds)) if m
+        )
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--init-method", default="env://",
-                        help="env:// (torchrun, --spawn, one process), tcp://HOST:PORT or "
-                             "file:///PATH (default: %(default)s)")
-    parser.add_argument("--rank", type=int,
-                        help="this process's rank, for a manual tcp:// or file:// launch")
-    parser.add_argument("--world-size", type=int,
-                        help="how many processes, for a manual tcp:// or file:// launch")
-    parser.add_argument("--local-rank", type=int,
-                        help="a manual launch's index on its own node, which picks its GPU "
-                             "(default: $LOCAL_RANK, else --rank: one node)")
-    parser.add_argument("--local-world-size", type=int, metavar="N",
-                        help="processes per node in a manual launch (default: "
-                             "$LOCAL_WORLD_SIZE, else --world-size: one node)")
-    parser.add_argument("--backend", choices=["auto", "nccl", "gloo"], default="auto",
-                        help="the library that moves tensors; auto: NCCL when a CUDA GPU is "
-                             "visible, else Gloo (default: auto)")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
+    how = "env:// (torchrun, --spawn, one process), tcp://HOST:PORT or file:///PATH"
+    add(parser, "--init-method", how, type=init_method, default="env://")
+    backends = ["auto", "nccl", "gloo"]
+    add(
+        parser,
+        "--backend",
+        "auto: NCCL if a GPU is visible, else Gloo",
+        choices=backends,
+        default="auto",
+    )
+    g = parser.add_argument_group("a manual launch (one command per process)")
+    add(g, "--rank", "this process's rank", type=number(int, 0))
+    add(g, "--world-size", "how many processes in all", type=number(int, 1))
+    add(
+        g,
+        "--local-rank",
+        "its index on its machine, picks its GPU (default: --rank)",
+        type=number(int, 0),
+    )
+    add(
+        g,
+        "--local-world-size",
+        "processes on its machine (default: --world-size)",
+        type=number(int, 1),
+    )
     add_launch_args(parser)
     return parser
 
@@ -203,55 +280,72 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_launch_args(parser, args)
     if args.backend == "nccl" and not torch.cuda.is_available():
         parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
-    scheme = args.init_method.split("://")[0] if "://" in args.init_method else None
-    if scheme not in ("env", "tcp", "file"):
-        parser.error(f"--init-method {args.init_method!r}: use env://, tcp://HOST:PORT or file:///PATH")
-    if scheme == "tcp" and not re.fullmatch(r"tcp://[^:/]+:\d+", args.init_method):
-        parser.error(f"--init-method {args.init_method!r}: tcp:// needs HOST:PORT, "
-                     f"e.g. tcp://127.0.0.1:29500")
-    if scheme == "file" and not args.init_method.startswith("file:///"):
-        parser.error(f"--init-method {args.init_method!r}: file:// needs an absolute path, "
-                     f"e.g. file:///tmp/ddp_rdzv")
-    if args.world_size is not None and args.world_size < 1:
-        parser.error(f"--world-size must be >= 1, got {args.world_size}")
-    if args.rank is not None:
-        if args.rank < 0:
-            parser.error(f"--rank must be >= 0, got {args.rank}")
-        if args.world_size is None:
-            parser.error("--rank needs --world-size")
-        if args.rank >= args.world_size:
-            parser.error(f"--rank {args.rank} must be < --world-size {args.world_size}")
-    elif args.world_size is not None:
-        parser.error("--world-size needs --rank (--spawn N sets both itself)")
-    if args.rank is not None:  # a manual launch: where does this process sit on its node?
-        local = args.local_rank if args.local_rank is not None else \
-            int(os.environ.get("LOCAL_RANK", args.rank))
-        per_node = args.local_world_size or int(os.environ.get("LOCAL_WORLD_SIZE",
-                                                               args.world_size))
-        if not (0 <= local < per_node <= args.world_size and local <= args.rank):
-            parser.error(f"--local-rank {local} with --local-world-size {per_node} does not fit "
-                         f"rank {args.rank} of {args.world_size}")
-        gpus = torch.cuda.device_count() if args.backend != "gloo" else 0
-        if gpus > 1 and per_node > gpus:  # one node assumed, but this one cannot hold them
-            parser.error(f"rank {args.rank} of {args.world_size} on a machine with {gpus} GPU(s): "
-                         f"on several machines give each process --local-rank (its index on "
-                         f"its machine) and --local-world-size; on one, NCCL needs a GPU per "
-                         f"process (or use --backend gloo)")
-        args.local_rank, args.local_world_size = local, per_node
-    elif args.local_rank is not None or args.local_world_size is not None:
-        parser.error("--local-rank and --local-world-size are for a manual launch with --rank")
-    args.rendezvous_file = Path(args.init_method[len("file://"):]) if scheme == "file" else None
-    if args.rendezvous_file and not args.rendezvous_file.parent.is_dir():  # torch'd wait forever
-        parser.error(f"--init-method {args.init_method!r}: the folder "
-                     f"{args.rendezvous_file.parent} does not exist; every process must see it")
-    if args.spawn is not None and args.rank is not None:
+    manual = args.rank is not None
+    if manual != (args.world_size is not None):
+        parser.error(
+            "--rank and --world-size go together, for a manual launch (--spawn N sets both)"
+        )
+    if manual and args.spawn is not None:
         parser.error("--spawn assigns ranks itself; drop --rank/--world-size")
-    if scheme != "env" and args.spawn is None and args.rank is None and "RANK" not in os.environ:
+    if manual and args.rank >= args.world_size:
+        parser.error(f"--rank {args.rank} must be < --world-size {args.world_size}")
+    if not manual and (args.local_rank, args.local_world_size) != (None, None):
+        parser.error("--local-rank and --local-world-size are for a manual launch with --rank")
+    scheme = args.init_method.split("://")[0]
+    if scheme != "env" and not manual and args.spawn is None and "RANK" not in os.environ:
         parser.error(f"{scheme}:// needs --rank and --world-size (or --spawn N)")
+    if manual:  # where does this process sit on its machine? Unsaid: one machine holds all
+        local = args.local_rank if args.local_rank is not None else args.rank
+        per_node = args.local_world_size or args.world_size
+        if not (local < per_node <= args.world_size and local <= args.rank):
+            parser.error(
+                f"--local-rank {local} with --local-world-size {per_node} does not fit "
+                f"rank {args.rank} of {args.world_size}"
+            )
+        gpus = torch.cuda.device_count() if args.backend != "gloo" else 0
+        if gpus > 1 and per_node > gpus:  # one machine assumed, but this one cannot hold them
+            parser.error(
+                f"rank {args.rank} of {args.world_size} on a machine with {gpus} GPU(s): on "
+                f"several machines give each process --local-rank (its index on its machine) "
+                f"and --local-world-size; on one, NCCL needs a GPU per process (or --backend gloo)"
+            )
+        args.local_rank, args.local_world_size = local, per_node
+    args.rendezvous_file = Path(args.init_method[len("file://") :]) if scheme == "file" else None
     return args
+
+
+def init_method(text: str) -> str:
+    """An argparse type: env://, tcp://HOST:PORT (an IPv6 host in brackets, [::1]) or
+    file:///PATH in a folder that exists (torch would wait for it forever)."""
+    if text == "env://" or re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d+", text):
+        return text
+    if text.startswith("tcp://"):
+        raise argparse.ArgumentTypeError(
+            f"tcp:// needs HOST:PORT, e.g. tcp://127.0.0.1:29500, got {text}"
+        )
+    if not text.startswith("file:///"):
+        raise argparse.ArgumentTypeError(f"use env://, tcp://HOST:PORT or file:///PATH: {text}")
+    if not Path(text[len("file://") :]).parent.is_dir():
+        folder = Path(text[len("file://") :]).parent
+        raise argparse.ArgumentTypeError(
+            f"the folder {folder} does not exist; every process must see it"
+        )
+    return text
+
+
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
+    def parse(text: str):
+        value = cast(text)
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        return value
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
+    return parse
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -269,117 +363,125 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 
 if __name__ == "__main__":
     args = parse_args()
     if args.rank is not None:  # started by hand: say who it is, as a launcher would
-        os.environ.update(RANK=str(args.rank), WORLD_SIZE=str(args.world_size),
-                          LOCAL_RANK=str(args.local_rank),
-                          LOCAL_WORLD_SIZE=str(args.local_world_size))
+        os.environ.update(
+            RANK=str(args.rank),
+            WORLD_SIZE=str(args.world_size),
+            LOCAL_RANK=str(args.local_rank),
+            LOCAL_WORLD_SIZE=str(args.local_world_size),
+        )
     launch(main, args)

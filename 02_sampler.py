@@ -36,15 +36,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
-import time
+import threading
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -65,40 +67,54 @@ def main(args: argparse.Namespace) -> None:
     dist.all_gather_object(everyone, mine)  # small Python lists: all_gather_object is fine
     n, w = args.dataset_size, d.world_size
     per_rank = expected_per_rank(n, w, args.drop_last)
-    if d.is_main:
-        print(f"{n} samples, {w} rank(s), shuffle={args.shuffle} seed={args.seed} "
-              f"drop_last={args.drop_last}: {per_rank} per rank per epoch, batches of "
-              f"{args.batch_size}, {args.workers} worker(s)  (* = padding repeat)")
+    if d.rank == 0:
+        print(
+            f"{n} samples, {w} rank(s), shuffle={args.shuffle} seed={args.seed} "
+            f"drop_last={args.drop_last}: {per_rank} per rank per epoch, batches of "
+            f"{args.batch_size}, {args.workers} worker(s)  (* = padding repeat)"
+        )
 
     # ---- checks: every rank checks the gathered data, so a failed check stops all together
     orders, dump = [], {"world_size": w, "dataset_size": n, "epochs": {}}
     for epoch in range(args.epochs):
         shards = [everyone[r][epoch]["indices"] for r in range(w)]
         dump["epochs"][str(epoch)] = {str(r): s for r, s in enumerate(shards)}
-        if d.is_main:
+        if d.rank == 0:
             print(f"epoch {epoch}\n{shard_table(shards, n)}")
         repeats, dropped = verify_epoch(shards, n, args.drop_last)
-        if d.is_main and dropped:
-            print(f"  dropped: {' '.join(map(str, dropped[:16]))}"
-                  + (f" ... (+{len(dropped) - 16})" if len(dropped) > 16 else ""))
+        if d.rank == 0 and dropped:
+            print(
+                f"  dropped: {' '.join(map(str, dropped[:16]))}"
+                + (f" ... (+{len(dropped) - 16})" if len(dropped) > 16 else "")
+            )
         orders.append(interleave(shards)[:n])  # with drop_last: the head that was kept
     order_note = verify_order(orders, n, args)
     draws_note = verify_draws(everyone)
-    dump["draws"] = {str(r): [{str(k): v for k, v in e["streams"].items()} for e in everyone[r]]
-                     for r in range(w)}
-    if d.is_main:
+    dump["draws"] = {
+        str(r): [{str(k): v for k, v in e["streams"].items()} for e in everyone[r]]
+        for r in range(w)
+    }
+    if d.rank == 0:
         if args.dump_indices:
             write_atomic(args.dump_indices, json.dumps(dump).encode())
         if repeats:
-            print(f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
-                  f"shards would count those samples again (05_eval_gather.py counts each once)")
+            print(
+                f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
+                f"shards would count those samples again (05_eval_gather.py counts each once)"
+            )
         if per_rank == 0:
             print(f"note: {n} sample(s) for {w} ranks with drop_last: every rank gets nothing")
         print(order_note)
-        print(f"verified: {w} rank(s) x {per_rank} samples per epoch; "
-              + ("shards disjoint, " + f"{len(dropped)} dropped per epoch"
-                 if args.drop_last else f"shards cover all {n}, {repeats} padding repeat(s)")
-              + f"; {draws_note}", flush=True)
+        print(
+            f"verified: {w} rank(s) x {per_rank} samples per epoch; "
+            + (
+                "shards disjoint, " + f"{len(dropped)} dropped per epoch"
+                if args.drop_last
+                else f"shards cover all {n}, {repeats} padding repeat(s)"
+            )
+            + f"; {draws_note}",
+            flush=True,
+        )
 
 
 def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
@@ -120,8 +136,14 @@ def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
 
 def make_loader(args: argparse.Namespace, d: Dist, rank_seed: int):
     dataset = IndexDataset(args.dataset_size)
-    sampler = DistributedSampler(dataset, num_replicas=d.world_size, rank=d.rank,
-                                 shuffle=args.shuffle, seed=args.seed, drop_last=args.drop_last)
+    sampler = DistributedSampler(
+        dataset,
+        num_replicas=d.world_size,
+        rank=d.rank,
+        shuffle=args.shuffle,
+        seed=args.seed,
+        drop_last=args.drop_last,
+    )
     # Worker RNGs are seeded from base_seed + worker id, and base_seed is drawn from this
     # generator. Seeded by rank, it differs across ranks (otherwise every rank's worker k
     # would make the same "random" augmentations) yet is reproducible from --seed.
@@ -130,10 +152,15 @@ def make_loader(args: argparse.Namespace, d: Dist, rank_seed: int):
     # spawn in --spawn's children (started by spawn, they default to it); then each worker
     # imports torch and this script afresh (seconds per worker on a small CPU; once, with
     # persistent_workers) and the dataset must pickle.
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        num_workers=args.workers, generator=generator,
-                        persistent_workers=args.workers > 0,  # no worker restart per epoch
-                        pin_memory=d.device.type == "cuda")   # faster host-to-GPU copies
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.workers,
+        generator=generator,
+        persistent_workers=args.workers > 0,  # no worker restart per epoch
+        pin_memory=d.device.type == "cuda",
+    )  # faster host-to-GPU copies
     return loader, sampler
 
 
@@ -159,6 +186,7 @@ def expected_per_rank(n: int, world_size: int, drop_last: bool) -> int:
 
 # ---- checks: what rank 0 shows, and what every rank checks ------------------------------
 
+
 def shard_table(shards: list[list[int]], n: int, limit: int = 16) -> str:
     w = len(shards)
     lines = []
@@ -175,30 +203,51 @@ def verify_epoch(shards: list[list[int]], n: int, drop_last: bool) -> tuple[int,
     w = len(shards)
     per_rank = expected_per_rank(n, w, drop_last)
     counts = [len(s) for s in shards]
-    check(all(c == per_rank for c in counts), "equal shard sizes",
-          f"expected {per_rank} samples on every rank "
-          f"({'floor' if drop_last else 'ceil'}({n}/{w})), got {counts}")
+    check(
+        all(c == per_rank for c in counts),
+        "equal shard sizes",
+        f"expected {per_rank} samples on every rank "
+        f"({'floor' if drop_last else 'ceil'}({n}/{w})), got {counts}",
+    )
     seen = [x for s in shards for x in s]
     check(all(0 <= x < n for x in seen), "valid indices", f"index outside 0..{n - 1}")
     if drop_last:
-        check(len(set(seen)) == len(seen), "disjoint shards",
-              f"{len(seen) - len(set(seen))} samples went to more than one rank")
+        check(
+            len(set(seen)) == len(seen),
+            "disjoint shards",
+            f"{len(seen) - len(set(seen))} samples went to more than one rank",
+        )
         dropped = sorted(set(range(n)) - set(seen))
         expected = n % w if n >= w else n
-        check(len(dropped) == expected, "dropped samples",
-              f"expected {expected} ({n} mod {w}) unseen samples, got {len(dropped)}")
+        check(
+            len(dropped) == expected,
+            "dropped samples",
+            f"expected {expected} ({n} mod {w}) unseen samples, got {len(dropped)}",
+        )
         return 0, dropped
-    check(set(seen) == set(range(n)), "shards cover the dataset",
-          f"missing {sorted(set(range(n)) - set(seen))[:10]}")
+    check(
+        set(seen) == set(range(n)),
+        "shards cover the dataset",
+        f"missing {sorted(set(range(n)) - set(seen))[:10]}",
+    )
     repeats = len(seen) - n
-    check(repeats == w * per_rank - n, "padding",
-          f"expected {w * per_rank - n} repeated samples, got {repeats}")
+    check(
+        repeats == w * per_rank - n,
+        "padding",
+        f"expected {w * per_rank - n} repeated samples, got {repeats}",
+    )
     order = interleave(shards)
-    check(sorted(order[:n]) == list(range(n)), "one shared order",
-          "the first N positions of the interleaved shards are not a permutation: "
-          "ranks disagree on the order")
-    check(order[n:] == (order[:n] * math.ceil(max(repeats, 1) / n))[:repeats], "padding",
-          "the padding is not a repeat of the head of the order")
+    check(
+        sorted(order[:n]) == list(range(n)),
+        "one shared order",
+        "the first N positions of the interleaved shards are not a permutation: "
+        "ranks disagree on the order",
+    )
+    check(
+        order[n:] == (order[:n] * math.ceil(max(repeats, 1) / n))[:repeats],
+        "padding",
+        "the padding is not a repeat of the head of the order",
+    )
     return repeats, []
 
 
@@ -210,21 +259,31 @@ def interleave(shards: list[list[int]]) -> list[int]:
 def verify_order(orders: list[list[int]], n: int, args: argparse.Namespace) -> str:
     """With set_epoch the order is randperm seeded with seed + epoch; without, it repeats."""
     if not args.shuffle:
-        check(all(o == list(range(len(o))) for o in orders), "unshuffled order",
-              "without --shuffle the order should be 0..N-1")
+        check(
+            all(o == list(range(len(o))) for o in orders),
+            "unshuffled order",
+            "without --shuffle the order should be 0..N-1",
+        )
         return "unshuffled: every epoch in index order 0..N-1"
     for epoch, order in enumerate(orders):
         used = epoch if not args.forget_set_epoch else 0
         expected = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + used))
-        check(order == expected.tolist()[:len(order)], "order follows seed + epoch",
-              f"epoch {epoch}: the order is not randperm({n}) seeded with {args.seed + used}")
+        check(
+            order == expected.tolist()[: len(order)],
+            "order follows seed + epoch",
+            f"epoch {epoch}: the order is not randperm({n}) seeded with {args.seed + used}",
+        )
     distinct = len({tuple(o) for o in orders})
     if args.forget_set_epoch:
-        return (f"BUG SHOWN: set_epoch was never called, so all {len(orders)} epochs used "
-                f"the same order (the sampler still thinks it is epoch 0): every epoch sees "
-                f"the same samples in the same batches. Call sampler.set_epoch(epoch).")
-    return (f"set_epoch: {distinct} distinct orders in {len(orders)} epochs, each "
-            f"randperm({n}) seeded with {args.seed} + epoch")
+        return (
+            f"BUG SHOWN: set_epoch was never called, so all {len(orders)} epochs used "
+            f"the same order (the sampler still thinks it is epoch 0): every epoch sees "
+            f"the same samples in the same batches. Call sampler.set_epoch(epoch)."
+        )
+    return (
+        f"set_epoch: {distinct} distinct orders in {len(orders)} epochs, each "
+        f"randperm({n}) seeded with {args.seed} + epoch"
+    )
 
 
 def verify_draws(per_rank_epochs: list[list[dict]]) -> str:
@@ -235,8 +294,11 @@ def verify_draws(per_rank_epochs: list[list[dict]]) -> str:
             for worker, draws in e["streams"].items():
                 firsts[(rank, int(worker), epoch)] = tuple(draws[:2])
     repeated = len(firsts) - len(set(firsts.values()))
-    check(repeated == 0, "distinct augmentation streams",
-          f"{repeated} (rank, worker, epoch) streams repeat another's random draws")
+    check(
+        repeated == 0,
+        "distinct augmentation streams",
+        f"{repeated} (rank, worker, epoch) streams repeat another's random draws",
+    )
     return f"{len(firsts)} (rank, worker, epoch) augmentation streams, all distinct"
 
 
@@ -249,58 +311,54 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: the run's result is lost, so say where and why
+    except OSError as e:  # a full disk, say: name the file, not a traceback
         tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
+        raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--dataset-size", type=positive_int, default=10, metavar="N",
-                        help="samples in the dataset; item i is i (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=2,
-                        help="samples per batch on each rank (default: %(default)s)")
-    parser.add_argument("--epochs", type=positive_int, default=2,
-                        help="epochs to sample (default: %(default)s)")
-    parser.add_argument("--shuffle", action=argparse.BooleanOptionalAction, default=True,
-                        help="a new random order each epoch (set_epoch) or index order")
-    parser.add_argument("--seed", type=seed_value, default=0,
-                        help="the sampler's seed, the same on every rank (default: %(default)s)")
-    parser.add_argument("--drop-last", action="store_true",
-                        help="cut the tail to a multiple of the world size instead of padding")
-    parser.add_argument("--workers", type=nonnegative_int, default=0,
-                        help="DataLoader worker processes per rank (default: %(default)s)")
-    parser.add_argument("--forget-set-epoch", action="store_true",
-                        help="skip sampler.set_epoch(epoch): the classic bug, shown")
-    parser.add_argument("--dump-indices", type=output_file, metavar="PATH",
-                        help="rank 0 writes every rank's indices per epoch as JSON")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
+    add(parser, "--dataset-size", "samples; item i is i", type=number(int, 1), default=10)
+    add(parser, "--batch-size", "samples per batch on each rank", type=number(int, 1), default=2)
+    add(parser, "--epochs", "epochs to sample", type=number(int, 1), default=2)
+    what = "a new random order each epoch (set_epoch), or index order"
+    add(parser, "--shuffle", what, action=argparse.BooleanOptionalAction, default=True)
+    add(parser, "--seed", "the sampler's seed, on every rank", type=number(int, 0), default=0)
+    what = "cut the tail to a multiple of the world size instead of padding"
+    add(parser, "--drop-last", what, action="store_true")
+    add(parser, "--workers", "DataLoader workers per rank", type=number(int, 0), default=0)
+    add(parser, "--forget-set-epoch", "skip set_epoch: the classic bug, shown", action="store_true")
+    what = "rank 0 writes every rank's indices per epoch as JSON"
+    add(parser, "--dump-indices", what, type=output_file, metavar="PATH")
     add_launch_args(parser)
     return parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    check_launch_args(parser, args)
-    return args
+    return build_parser().parse_args(argv)
 
 
-def bounded(cast, test, rule: str):
-    """An argparse type: cast the text, refuse values outside the rule."""
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
     def parse(text: str):
         value = cast(text)
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
         return value
-    parse.__name__ = cast.__name__  # argparse says "invalid int value: 'x'"
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
-
-
-positive_int = bounded(int, lambda v: v >= 1, ">= 1")
-nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
-seed_value = bounded(int, lambda v: 0 <= v < 2**32, ">= 0 and < 2**32")  # torch's: < 2**64
 
 
 def output_file(text: str) -> Path:
@@ -332,110 +390,115 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 

@@ -18,24 +18,30 @@ Your own model and data: replace build_model() and build_datasets(); nothing els
 on their shapes. torch.compile: call model.compile() in main, before DDP(model); the
 first step waits for the slowest rank's compile, so give --timeout room for it. Needs
 torch >= 2.4; for torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
+A job that must survive restarts and preemption: 04_checkpoint.py is this file plus
+checkpoints.
 """
 
 from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import hashlib
 import io
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -57,60 +63,69 @@ def main(args: argparse.Namespace) -> None:
     d = setup(args.timeout)
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
-    steps = len(train_loader) // args.accum_steps * args.epochs  # optimizer steps in all
-    if steps == 0:  # full batches only: a last batch of one image would fail in BatchNorm
-        raise SetupError(f"each rank's {len(sampler)} image(s) make {len(train_loader)} full "
-                         f"batch(es) of {args.batch_size}; a step takes {args.accum_steps}")
+    steps_per_epoch = len(train_loader) // args.accum_steps
+    if steps_per_epoch == 0:  # full batches only: a last batch of one image fails BatchNorm
+        raise SetupError(
+            f"each rank's {len(sampler)} image(s) make {len(train_loader)} full batch(es) of "
+            f"{args.batch_size}; a step takes {args.accum_steps}"
+        )
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
-    ddp_model = DDP(model,
+    ddp_model = DDP(
+        model,
         device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
-        bucket_cap_mb=args.bucket_cap_mb,     # gradients all-reduce in buckets of this size
-        find_unused_parameters=args.find_unused_parameters,  # only if some params get no grad
-        static_graph=args.static_graph,       # same graph every step: DDP can plan ahead
-        gradient_as_bucket_view=args.gradient_as_bucket_view)  # grads live in the buckets
-    torch.manual_seed(args.seed + d.rank)  # but each rank its own dropout masks
-    # fused (GPUs): one kernel per step, and fp16's GradScaler.step then needs no .item() sync
-    optimizer = torch.optim.SGD(model.parameters(), lr=args.lr, momentum=0.9,
-                                weight_decay=args.weight_decay, fused=d.device.type == "cuda")
-    opt = Optim(optimizer, torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, steps),
-                torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"))
-    if d.is_main:
-        print(f"training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
-              f"params, {num_classes} classes) on {d.world_size} x {d.device.type} "
-              f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
-              f"global batch {d.world_size * args.batch_size * args.accum_steps} = "
-              f"{d.world_size} ranks x {args.batch_size} x {args.accum_steps} accum; {steps} steps")
+        bucket_cap_mb=args.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
+        find_unused_parameters=args.find_unused_parameters,  # only if some get no gradient
+        static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
+        gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
+    )
+    torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
+    # fused (GPUs): one kernel per step, and fp16's GradScaler.step then needs no .item()
+    fused = d.device.type == "cuda"
+    optimizer = torch.optim.SGD(
+        model.parameters(), args.lr, momentum=0.9, weight_decay=args.weight_decay, fused=fused
+    )
+    for p in model.parameters():  # zeros, not fused SGD's torch.empty_like: see NOTES.md
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, args.lr, steps_per_epoch * args.epochs
+    )
+    scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
+    state = TrainState(model, optimizer, scheduler, scaler)
+    if d.rank == 0:
+        print(
+            f"training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+            f"params, {num_classes} classes) on {d.world_size} x {d.device.type} "
+            f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
+            f"global batch {d.world_size * args.batch_size * args.accum_steps} = "
+            f"{d.world_size} ranks x {args.batch_size} x {args.accum_steps} accum; "
+            f"{state.scheduler.total_steps} steps"
+        )
     history = []
-    for epoch in range(args.epochs):
-        sampler.set_epoch(epoch)  # same seed + epoch on every rank: a new shared permutation
-        train = train_one_epoch(ddp_model, train_loader, opt, args, d, epoch)
+    while state.epoch < args.epochs:
+        sampler.set_epoch(state.epoch)  # same seed + epoch on every rank: a shared new order
+        train = train_one_epoch(ddp_model, train_loader, state, args, d)
         # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val = evaluate(model, val_loader, d, args) if len(val_set) else None
+        val = evaluate(model, val_loader, args, d) if len(val_set) else None
         history.append((train, val))
-        if d.is_main:
-            print(f"epoch {epoch + 1} done: train loss {train['loss']:.4f} acc "
-                  f"{100 * train['acc']:.1f}%" + (f" | val loss {val['loss']:.4f} acc "
-                  f"{100 * val['acc']:.1f}% on {val['n']} images" if val else ""), flush=True)
+        if d.rank == 0:
+            print(f"epoch {state.epoch + 1} done: {describe(train, val)}", flush=True)
+        state.epoch += 1
 
-    # ---- after training: the replica check, the saved model, the summary ----
+    # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
     if args.save_model:
-        if d.is_main:
-            save_atomic(model.state_dict(), args.save_model)  # raw module: no "module." keys
+        if d.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)  # the plain model: keys without "module."
+            write_atomic(args.save_model, buffer.getvalue())
         dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
-    if d.is_main:
-        (first, _), (last, last_val) = history[0], history[-1]
-        images, seconds = (sum(t[key] for t, _ in history) for key in ("images", "seconds"))
-        speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # step 1 is not timed
-        print(f"summary: {steps} steps, {speed} on {d.world_size} rank(s) (from each "
-              f"epoch's step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
-              f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
-              + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else ""))
-        print(f"verified: {verified}" + (f"; rank 0 saved them to {args.save_model}" if
-                                          args.save_model else ""), flush=True)
+    if d.rank == 0:
+        print(summary(history, state, d))
+        saved = f"; rank 0 saved them to {args.save_model}" if args.save_model else ""
+        print(f"verified: {verified}{saved}", flush=True)
 
 
 # ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
@@ -118,23 +133,26 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
     """The training set, the validation set and the number of classes."""
     if not args.data:
         shape = (args.num_classes, args.image_size, args.seed)
-        return (SyntheticImages(args.train_size, *shape, train=True),
-                SyntheticImages(args.val_size, *shape, train=False), args.num_classes)
+        train = SyntheticImages(args.train_size, *shape, train=True)
+        return train, SyntheticImages(args.val_size, *shape, train=False), args.num_classes
     T = torchvision.transforms
     # Random transforms draw from each DataLoader worker's RNG, which differs per rank.
     norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    train = T.Compose([T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(),
-                       T.ToTensor(), norm])
-    val = T.Compose([T.Resize(round(args.image_size * 256 / 224)),
-                     T.CenterCrop(args.image_size), T.ToTensor(), norm])
+    train_transform = T.Compose(
+        [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(), norm]
+    )
+    resize = round(args.image_size * 256 / 224)
+    val_transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
     try:
-        train_set = torchvision.datasets.ImageFolder(args.data / "train", train)
-        val_set = torchvision.datasets.ImageFolder(args.data / "val", val)
+        train_set = torchvision.datasets.ImageFolder(args.data / "train", train_transform)
+        val_set = torchvision.datasets.ImageFolder(args.data / "val", val_transform)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
         raise SetupError(f"--data {args.data}: {e}") from e
     if val_set.classes != train_set.classes:  # each split numbers its own folders' classes
-        raise SetupError(f"--data {args.data}: val's classes {val_set.classes} differ from "
-                         f"train's {train_set.classes}; their labels would not match")
+        raise SetupError(
+            f"--data {args.data}: val's classes {val_set.classes} differ from train's "
+            f"{train_set.classes}; their labels would not match"
+        )
     return train_set, val_set, len(train_set.classes)
 
 
@@ -147,9 +165,8 @@ class SyntheticImages(Dataset):
         patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
         g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
         self.labels = torch.randint(num_classes, (size,), generator=g)
-        self.images = patterns[self.labels] + 1.5 * torch.randn(size, 3, image_size, image_size,
-                                                                generator=g)
-        self.classes = list(range(num_classes))
+        noise = torch.randn(size, 3, image_size, image_size, generator=g)
+        self.images = patterns[self.labels] + 1.5 * noise
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -159,20 +176,27 @@ class SyntheticImages(Dataset):
 
 
 def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-    auto = 0 if d.device.type == "cpu" else min(8, cores // int(os.environ["LOCAL_WORLD_SIZE"]))
-    workers = auto if args.workers is None else args.workers  # CPU: the cores train, not workers
-    common = dict(batch_size=args.batch_size, num_workers=workers,
-                  persistent_workers=workers > 0,        # keep workers alive across epochs
-                  pin_memory=d.device.type == "cuda")    # page-locked: async copies to the GPU
-    sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank,
-                                 shuffle=True, seed=args.seed)
+    """The training loader with its DistributedSampler, and this rank's validation loader."""
+    workers = args.workers
+    if workers is None:  # CPU: the cores train, not workers; GPU: the node's cores, shared
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        workers = 0 if d.device.type == "cpu" else min(8, cores // local_world)
+    common = dict(
+        batch_size=args.batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,  # keep the workers alive from epoch to epoch
+        pin_memory=d.device.type == "cuda",  # page-locked: copies to the GPU run async
+    )
+    sampler = DistributedSampler(
+        train_set, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=args.seed
+    )
+    # drop_last: full batches only (a batch of one image fails BatchNorm in training)
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
-    # drop_last: full batches only (a batch of one image fails BatchNorm in training)
-    return DataLoader(train_set, sampler=sampler, drop_last=True, **common), sampler, \
-        DataLoader(val_shard, **common)
+    return train_loader, sampler, DataLoader(val_shard, **common)
 
 
 # ---- your model: any nn.Module; replace build_model() ------------------------------------
@@ -184,10 +208,13 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     try:
         model = torchvision.models.get_model(args.arch, **kwargs)
     except TypeError as e:
-        raise SetupError(f"--norm group needs an architecture with a norm_layer argument "
-                         f"(resnet*, resnext*, wide_resnet*); {args.arch} has none") from e
-    try:  # one image through it (eval: no statistics change), so a mismatch is named here
-        model.eval()(torch.zeros(1, 3, args.image_size, args.image_size))
+        raise SetupError(
+            f"--norm group needs an architecture with a norm_layer argument (resnet*, "
+            f"resnext*, wide_resnet*); {args.arch} has none"
+        ) from e
+    model.eval()  # one image through it now (no statistics change), so a misfit is named here
+    try:
+        model(torch.zeros(1, 3, args.image_size, args.image_size))
     except (AssertionError, RuntimeError, ValueError) as e:  # vit_b_16 at 16 px, say
         raise SetupError(f"--arch {args.arch} cannot take {args.image_size} px images: {e}") from e
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
@@ -197,62 +224,77 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     return model
 
 
-class Optim(NamedTuple):  # the optimizer and what steps with it
+@dataclass
+class TrainState:
+    """What training changes as it goes, in one place (04_checkpoint.py saves exactly this)."""
+
+    model: nn.Module  # the plain model, not the DDP wrapper
     optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler  # its last_epoch: the steps taken so far
-    scaler: torch.amp.GradScaler  # disabled (a no-op) unless --amp fp16
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # one-cycle: it steps with every step
+    scaler: torch.amp.GradScaler  # fp16's loss scale; a no-op unless --amp fp16
+    epoch: int = 0  # the epoch in progress
+    step: int = 0  # optimizer steps taken: the global step
 
 
-def train_one_epoch(model: DDP, loader, opt: Optim, args, d: Dist, epoch: int) -> dict:
+def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: Dist) -> dict:
+    """One pass over this rank's shard; the epoch's loss and accuracy over all ranks."""
     model.train()
-    micro_batches = len(loader) // args.accum_steps * args.accum_steps  # whole groups only
     amp = AMP_DTYPES.get(args.amp)
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, count
-    timed_images, started = 0, None
-    for i, (images, labels) in enumerate(loader):
-        if i == micro_batches:
-            break
-        images = images.to(d.device, dtype=args.dtype, non_blocking=True)
-        labels = labels.to(d.device, non_blocking=True)
-        step = (i + 1) % args.accum_steps == 0
-        # no_sync: micro-batches 1..K-1 accumulate locally, the K-th backward all-reduces the
-        # sum. static_graph's first backward must sync (#143580): exact, the K-th keeps it.
-        sync = step or (args.static_graph and opt.scheduler.last_epoch == 0 and i == 0)
-        with nullcontext() if sync else model.no_sync():
-            with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
-                logits = model(images)
-                loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
-            opt.scaler.scale(loss / args.accum_steps).backward()
-        with torch.no_grad():  # running sums stay on the device: no wait for the GPU here
-            sums += torch.stack([loss.detach().double() * len(labels),
-                                 (logits.argmax(1) == labels).sum(), sums.new_tensor(len(labels))])
-        timed_images += len(labels) if started else 0
-        if not step:
-            continue
-        opt.scaler.step(opt.optimizer)  # optimizer.step(), skipped if fp16 overflowed
-        opt.scaler.update()
-        opt.optimizer.zero_grad(set_to_none=True)
-        opt.scheduler.step()
-        if started is None:  # time from the end of step 1: it pays one-off costs
-            started = clock(d)
-        if opt.scheduler.last_epoch % args.log_every == 0:
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, images
+    batches = iter(loader)
+    steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
+    for i in range(steps):
+        for k in range(args.accum_steps):
+            images, labels = next(batches)
+            images = images.to(d.device, dtype=args.dtype, non_blocking=True)
+            labels = labels.to(d.device, non_blocking=True)
+            # no_sync: the first K-1 backward passes only add up gradients here; the K-th
+            # all-reduces their sum. (static_graph: the first backward syncs; see NOTES.md)
+            sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
+            with nullcontext() if sync else model.no_sync():
+                with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
+                    logits = model(images)
+                    loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
+                state.scaler.scale(loss / args.accum_steps).backward()
+            with torch.no_grad():  # running sums stay on the device: no wait for the GPU
+                sums[0] += loss.double() * len(labels)
+                sums[1] += (logits.argmax(1) == labels).sum()
+                sums[2] += len(labels)
+        state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        state.step += 1
+
+        # ---- bookkeeping: the clock and the progress line, not part of the step ----------
+        if i == 0:
+            started = clock(d)  # time from the end of step 1: it pays one-off costs
+        if state.step % args.log_every == 0:
             so_far = sums.clone()
-            dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far, all ranks
-            loss_sum, correct, count = so_far.tolist()
-            if not math.isfinite(loss_sum):  # all-reduced: every rank stops here together
-                raise SetupError(f"loss is not finite at step {opt.scheduler.last_epoch}; "
-                                 f"lower --lr")
-            if d.is_main:
-                print(f"epoch {epoch + 1}/{args.epochs}  step {opt.scheduler.last_epoch:>5}/"
-                      f"{opt.scheduler.total_steps}  loss {loss_sum / count:.4f}  "
-                      f"acc {100 * correct / count:5.1f}%  "
-                      f"lr {opt.scheduler.get_last_lr()[0]:.4f}", flush=True)
+            dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far
+            progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
+            report(so_far, f"epoch {state.epoch + 1}/{args.epochs}  {progress}", state, d)
     dist.all_reduce(sums)  # the whole epoch, over every rank's batches
+    loss, acc = report(sums, "", state, d)
+    images = (steps - 1) * args.batch_size * args.accum_steps * d.world_size
+    return {"loss": loss, "acc": acc, "images": images, "seconds": clock(d) - started}
+
+
+def report(sums: torch.Tensor, where: str, state: TrainState, d: Dist) -> tuple[float, float]:
+    """The loss and accuracy in all-reduced sums, checked finite on every rank; rank 0 prints
+    them after where (if any)."""
     loss_sum, correct, count = sums.tolist()
-    if not math.isfinite(loss_sum):  # checked before anything is evaluated or saved
-        raise SetupError(f"loss is not finite at step {opt.scheduler.last_epoch}; lower --lr")
-    return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1),
-            "images": timed_images * d.world_size, "seconds": clock(d) - started if started else 0}
+    check(
+        math.isfinite(loss_sum),
+        "finite loss",
+        f"the loss is not finite at step {state.step}: lower --lr",
+    )
+    if d.rank == 0 and where:
+        lr = state.scheduler.get_last_lr()[0]
+        print(
+            f"{where}  loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  lr {lr:.4f}"
+        )
+    return loss_sum / count, correct / count
 
 
 def clock(d: Dist) -> float:
@@ -262,40 +304,68 @@ def clock(d: Dist) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, d: Dist, args: argparse.Namespace) -> dict:
+def evaluate(model: nn.Module, loader: DataLoader, args, d: Dist) -> dict:
     # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
         images = images.to(d.device, dtype=args.dtype, non_blocking=True)
         labels = labels.to(d.device, non_blocking=True)
         logits = model(images)
-        sums += torch.stack([F.cross_entropy(logits.double(), labels, reduction="sum"),
-                             (logits.argmax(1) == labels).sum(), sums.new_tensor(len(labels))])
+        sums[0] += F.cross_entropy(logits.double(), labels, reduction="sum")
+        sums[1] += (logits.argmax(1) == labels).sum()
+        sums[2] += len(labels)
     dist.all_reduce(sums)  # every rank calls this once, whatever its number of batches
     loss_sum, correct, count = sums.tolist()
     return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
 
 
+def describe(train: dict, val: dict | None) -> str:
+    line = f"train loss {train['loss']:.4f} acc {100 * train['acc']:.1f}%"
+    if val:
+        line += f" | val loss {val['loss']:.4f} acc {100 * val['acc']:.1f}% on {val['n']} images"
+    return line
+
+
+# ---- checks and the summary ---------------------------------------------------------------
 def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
     """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
     flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in model.state_dict().values()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    check(len(set(digests)) == 1, "identical replicas",
-          f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}")
-    return (f"{d.world_size} rank(s) hold identical parameters and buffers "
-            f"({flat.numel():,} values, sha256 {digest[:16]})")
+    check(
+        len(set(digests)) == 1,
+        "identical replicas",
+        f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}",
+    )
+    return (
+        f"{d.world_size} rank(s) hold identical parameters and buffers "
+        f"({flat.numel():,} values, sha256 {digest[:16]})"
+    )
 
 
-def save_atomic(state: dict, path: Path) -> None:
-    """torch.save, whole or not at all: into memory, a temporary file, then renamed over path."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)  # writing a file, torch would fail with a RuntimeError, no reason
+def summary(history: list, state: TrainState, d: Dist) -> str:
+    (first, _), (last, last_val) = history[0], history[-1]
+    images = sum(train["images"] for train, _ in history)
+    seconds = sum(train["seconds"] for train, _ in history)
+    speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # step 1 is not timed
+    line = (
+        f"summary: {state.step} steps, {speed} on {d.world_size} rank(s) (from each epoch's "
+        f"step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
+        f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
+    )
+    return line + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else "")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
-        tmp.write_bytes(buffer.getvalue())
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
     except OSError as e:  # a full disk, say: name the file, not a traceback
         tmp.unlink(missing_ok=True)
@@ -304,51 +374,48 @@ def save_atomic(state: dict, path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
     m = parser.add_argument_group("model")
-    m.add_argument("--arch", default="resnet18", metavar="ARCH",
-                   choices=sorted(torchvision.models.list_models(module=torchvision.models)),
-                   help="any torchvision classification model (default: %(default)s)")
-    m.add_argument("--norm", choices=["batch", "group"], default="batch",
-                   help="group: GroupNorm instead of BatchNorm, resnet family (default: batch)")
-    m.add_argument("--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs)")
-    m.add_argument("--unused-layer", action="store_true", help="a layer forward never calls")
+    models = sorted(torchvision.models.list_models(module=torchvision.models))
+    add(m, "--arch", "any torchvision classifier", default="resnet18", choices=models, metavar="A")
+    add(m, "--norm", "group: GroupNorm, resnet family", default="batch", choices=["batch", "group"])
+    add(m, "--sync-bn", "BatchNorm over the global batch (GPUs)", action="store_true")
+    add(m, "--unused-layer", "a layer forward never calls", action="store_true")
     g = parser.add_argument_group("data (default: synthetic images, made in memory)")
-    g.add_argument("--data", type=Path, metavar="DIR",
-                   help="an ImageFolder tree: DIR/train and DIR/val, a folder per class")
-    for name, default, what in (("--train-size", 4096, "synthetic training images"),
-                                ("--val-size", 1024, "synthetic validation images, 0: none"),
-                                ("--num-classes", 10, "synthetic classes"),
-                                ("--image-size", 32, "image side in pixels")):
-        g.add_argument(name, type=int, default=default, help=f"{what} (default: %(default)s)")
-    g.add_argument("--workers", type=int, help="DataLoader workers per process "
-                   "(default: auto, 0 on CPU, else up to 8)")
+    add(g, "--data", "an ImageFolder tree: DIR/train, DIR/val", type=Path, metavar="DIR")
+    add(g, "--train-size", "synthetic training images", type=number(int, 1), default=4096)
+    add(g, "--val-size", "synthetic validation images, 0: none", type=number(int, 0), default=1024)
+    add(g, "--num-classes", "synthetic classes", type=number(int, 2), default=10)
+    add(g, "--image-size", "image side in pixels", type=number(int, 1), default=32)
+    auto = "(default: 0 on CPU, else the cores, up to 8)"
+    add(g, "--workers", f"DataLoader workers per process {auto}", type=number(int, 0))
     t = parser.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=3, help="passes over the data (default: 3)")
-    t.add_argument("--batch-size", type=int, default=128,
-                   help="images per micro-batch on each process (default: %(default)s)")
-    t.add_argument("--accum-steps", type=int, default=1,
-                   help="micro-batches per optimizer step, under no_sync (default: %(default)s)")
-    t.add_argument("--lr", type=float, default=0.05, help="one-cycle peak (default: %(default)g)")
-    t.add_argument("--weight-decay", type=float, default=5e-4, help="SGD's (default: 5e-4)")
-    t.add_argument("--amp", choices=["none", *AMP_DTYPES], default="none",
-                   help="autocast dtype; fp16 (with GradScaler) needs CUDA (default: none)")
-    t.add_argument("--float64", action="store_true", help="for sharp equivalence checks (slow)")
-    t.add_argument("--seed", type=int, default=0, help="seeds weights and data (default: 0)")
-    t.add_argument("--log-every", type=int, default=10, metavar="STEPS",
-                   help="a progress line every STEPS optimizer steps (default: %(default)s)")
-    t.add_argument("--save-model", type=output_file, metavar="PATH",
-                   help="rank 0 saves model.module.state_dict() there at the end")
+    add(t, "--epochs", "passes over the data", type=number(int, 1), default=3)
+    add(t, "--batch-size", "images per micro-batch, per process", type=number(int, 1), default=128)
+    add(t, "--accum-steps", "micro-batches per step, under no_sync", type=number(int, 1), default=1)
+    add(t, "--lr", "the one-cycle schedule's peak", type=number(float, 0), default=0.05)
+    add(t, "--weight-decay", "SGD's", type=number(float, 0), default=5e-4)
+    add(
+        t, "--amp", "autocast dtype; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES]
+    )
+    add(t, "--float64", "for sharp equivalence checks (slow)", action="store_true")
+    add(t, "--seed", "seeds weights and data", type=number(int, 0), default=0)
+    add(t, "--log-every", "steps between progress lines", type=number(int, 1), default=10)
+    add(t, "--save-model", "rank 0 saves the weights there", type=output_file, metavar="PATH")
     k = parser.add_argument_group("DDP knobs")
-    k.add_argument("--bucket-cap-mb", type=float, default=25.0,
-                   help="larger: fewer all-reduces; smaller: earlier overlap (default: 25)")
-    k.add_argument("--find-unused-parameters", action="store_true",
-                   help="needed when some parameters get no gradient (a graph walk each step)")
-    k.add_argument("--static-graph", action="store_true",
-                   help="the set of used parameters never changes: DDP can plan ahead")
-    k.add_argument("--gradient-as-bucket-view", action="store_true",
-                   help="gradients are views into the all-reduce buckets: saves memory, a copy")
+    add(k, "--bucket-cap-mb", "size of the all-reduce buckets", type=number(float, 0), default=25.0)
+    add(k, "--find-unused-parameters", "for parameters that get no gradient", action="store_true")
+    add(k, "--static-graph", "the same parameters are used every step", action="store_true")
+    add(k, "--gradient-as-bucket-view", "gradients live in the buckets", action="store_true")
     add_launch_args(parser)
     return parser
 
@@ -356,26 +423,32 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_launch_args(parser, args)
-    lowest = dict(train_size=1, val_size=0, num_classes=2, image_size=1, workers=0, epochs=1,
-                  batch_size=1, accum_steps=1, log_every=1, seed=0)  # (one class: always right)
-    for name, low in lowest.items():  # and below 2**32: a seed past 2**64 overflows torch's
-        value = getattr(args, name)
-        if value is not None and not low <= value < 2**32:
-            parser.error(f"--{name.replace('_', '-')}: must be >= {low} and < 2**32, got {value}")
-    if not (args.lr > 0 and args.bucket_cap_mb > 0):  # not nan either
-        parser.error(f"--lr, --bucket-cap-mb: must be > 0, got {args.lr:g}, {args.bucket_cap_mb:g}")
     if args.amp == "fp16" and not torch.cuda.is_available():
         parser.error("--amp fp16 needs CUDA (float16 autocast, GradScaler); on CPU use bf16")
     if args.sync_bn and not torch.cuda.is_available():
         parser.error("--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group")
     if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
-        parser.error(f"--data {args.data}: expected folders {args.data}/train and "
-                     f"{args.data}/val, one sub-folder per class")
+        parser.error(
+            f"--data {args.data}: expected folders {args.data}/train and {args.data}/val, "
+            f"one sub-folder per class"
+        )
     if args.float64 and args.amp != "none":
         parser.error("--float64 and --amp pick opposite precisions; use one")
     args.dtype = torch.float64 if args.float64 else torch.float32
     return args
+
+
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
+    def parse(text: str):
+        value = cast(text)
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        return value
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
+    return parse
 
 
 def output_file(text: str) -> Path:
@@ -407,110 +480,115 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 

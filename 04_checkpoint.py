@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import fcntl
 import hashlib
@@ -32,6 +33,7 @@ import re
 import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -57,18 +59,27 @@ def main(args: argparse.Namespace) -> None:
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
     d = setup(args.timeout, store=attempt_store(args.timeout))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if d.is_main:
-        print(f"{d.world_size} process(es) on {d.device.type}, attempt {restarts + 1} "
-              f"(TORCHELASTIC_RESTART_COUNT={restarts}), checkpoints in {args.checkpoint_dir}")
+    if d.rank == 0:
+        print(
+            f"{d.world_size} process(es) on {d.device.type}, attempt {restarts + 1} "
+            f"(TORCHELASTIC_RESTART_COUNT={restarts}), checkpoints in {args.checkpoint_dir}"
+        )
     prepare_directory(args.checkpoint_dir, d)
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model().to(d.device)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay,
-                                  fused=d.device.type == "cuda")  # fp16: GradScaler won't sync
-    state = TrainState(model, optimizer,
-                       torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7),
-                       torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"),
-                       args.train_size)
+    optimizer = torch.optim.AdamW(
+        model.parameters(),
+        lr=args.lr,
+        weight_decay=args.weight_decay,
+        fused=d.device.type == "cuda",
+    )  # fp16: GradScaler won't sync
+    state = TrainState(
+        model,
+        optimizer,
+        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7),
+        torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"),
+        args.train_size,
+    )
     torch.manual_seed(args.seed + d.rank)  # then each rank its own dropout stream
     resumed = load_checkpoint(state, args, d)  # before DDP: it loads into the plain model
     ddp_model = DDP(model, device_ids=[d.device] if d.device.type == "cuda" else None)
@@ -76,23 +87,29 @@ def main(args: argparse.Namespace) -> None:
     sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
     # iter(loader) draws its workers' base seed from generator; from the global RNG, that draw
     # would come once more in a resumed run and shift every random number after it (dropout).
-    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler,
-                        generator=torch.Generator().manual_seed(args.seed + d.rank),
-                        pin_memory=d.device.type == "cuda")
-    if state.epoch >= args.epochs and d.is_main:
+    loader = DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        generator=torch.Generator().manual_seed(args.seed + d.rank),
+        pin_memory=d.device.type == "cuda",
+    )
+    if state.epoch >= args.epochs and d.rank == 0:
         print(f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir")
     train(ddp_model, loader, state, restarts == 0 and not resumed, args, d)
     # ---- checks: identical replicas, and a checkpoint that loads without DDP ----
     for buffer in model.buffers():  # rank 0's BatchNorm statistics, as saved, on every rank
         dist.broadcast(buffer, src=0)
     verified = verify_replicas_identical(model, d)
-    if d.is_main:  # the last checkpoint as an inference job loads it: a plain model, no DDP
+    if d.rank == 0:  # the last checkpoint as an inference job loads it: a plain model, no DDP
         path = sorted(args.checkpoint_dir.glob("step-*.pt"))[-1]
         (plain := build_model()).load_state_dict(read_checkpoint(path)["model"])
         same = map(torch.equal, plain.state_dict().values(), model.cpu().state_dict().values())
         check(all(same), "inference copy", f"a plain model from {path.name} has other weights")
-        print(f"verified: every epoch used each of the {args.train_size} samples once "
-              f"(plus the sampler's padding)")
+        print(
+            f"verified: every epoch used each of the {args.train_size} samples once "
+            f"(plus the sampler's padding)"
+        )
         print(f"verified: {verified}; a plain model loads the same from {path.name}", flush=True)
     dist.barrier()  # the others stay until rank 0 has read the final checkpoint
 
@@ -102,8 +119,10 @@ def attempt_store(timeout: float):
     with the dead group's keys (pytorch/pytorch#135712), and restart counts differ by node
     (#147064). Rank 0 posts its port in the agent's store; the others use it once it answers.
     No restarts: the agent's, which outlives rank 0 (NCCL's dump signal travels there)."""
-    if os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0" or \
-            os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if (
+        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
+        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
+    ):
         return None
     host, limit = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout)
     agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit)
@@ -127,7 +146,7 @@ def prepare_directory(directory: Path, d: Dist) -> None:
     and overwrite its checkpoints) and removes a killed save's leftovers; all learn the outcome."""
     error = None
     try:
-        if d.is_main:  # flock: held until the process ends (the descriptor is never closed)
+        if d.rank == 0:  # flock: held until the process ends (the descriptor is never closed)
             directory.mkdir(parents=True, exist_ok=True)
             lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT)  # also: can we write?
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -150,14 +169,23 @@ def raise_rank0_error(error: str | None) -> None:  # a collective: all raise ran
 def build_model() -> nn.Module:
     # BatchNorm buffers and Dropout's random draws are both state a resume must restore.
     return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Dropout(0.2), nn.Linear(32, 10))
+        nn.Conv2d(3, 16, 3, padding=1),
+        nn.BatchNorm2d(16),
+        nn.ReLU(),
+        nn.Conv2d(16, 32, 3, stride=2, padding=1),
+        nn.BatchNorm2d(32),
+        nn.ReLU(),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Dropout(0.2),
+        nn.Linear(32, 10),
+    )
 
 
 class TrainState:
     """What a resume needs but the per-rank random streams, with state_dict() and
     load_state_dict() (torch.distributed.checkpoint's Stateful); seen: this rank's visits."""
+
     KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "position", "step", "seen")
 
     def __init__(self, model: nn.Module, optimizer, scheduler, scaler, train_size: int):
@@ -168,10 +196,16 @@ class TrainState:
         self.seen = torch.zeros(train_size, dtype=torch.int64)
 
     def state_dict(self) -> dict:
-        return {"model": self.model.state_dict(),  # the plain model: keys without "module."
-                "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                "scaler": self.scaler.state_dict(), "epoch": self.epoch, "position": self.position,
-                "step": self.step, "seen": self.seen}
+        return {
+            "model": self.model.state_dict(),  # the plain model: keys without "module."
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "position": self.position,
+            "step": self.step,
+            "seen": self.seen,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.model.load_state_dict(state["model"])
@@ -196,27 +230,41 @@ def load_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> boo
             skipped.append((candidate, str(e)))
     names = [None] * d.world_size
     dist.all_gather_object(names, path and path.name)
-    check(len(set(names)) == 1, "every rank resumes from the same checkpoint",
-          f"ranks chose {names}; is {args.checkpoint_dir} the same directory on every node?")
+    check(
+        len(set(names)) == 1,
+        "every rank resumes from the same checkpoint",
+        f"ranks chose {names}; is {args.checkpoint_dir} the same directory on every node?",
+    )
     if candidates and not saved:  # never silently start from scratch over checkpoints
-        raise SetupError(f"{args.checkpoint_dir} holds {len(candidates)} checkpoint(s) and none "
-                         f"is readable ({'; '.join(f'{p.name}: {why}' for p, why in skipped)})"
-                         f". Move them away to start over")
-    for bad, why in skipped if d.is_main else []:
-        print(f"WARNING: {bad.name} is unreadable ({why}); renamed it *.unreadable and fell "
-              f"back to an older checkpoint", file=sys.stderr, flush=True)
+        raise SetupError(
+            f"{args.checkpoint_dir} holds {len(candidates)} checkpoint(s) and none "
+            f"is readable ({'; '.join(f'{p.name}: {why}' for p, why in skipped)})"
+            f". Move them away to start over"
+        )
+    for bad, why in skipped if d.rank == 0 else []:
+        print(
+            f"WARNING: {bad.name} is unreadable ({why}); renamed it *.unreadable and fell "
+            f"back to an older checkpoint",
+            file=sys.stderr,
+            flush=True,
+        )
         bad.rename(bad.with_name(bad.name + ".unreadable"))  # kept, but out of the way
     if not saved:
-        if d.is_main:
+        if d.rank == 0:
             print(f"no checkpoint in {args.checkpoint_dir}: starting from step 0", flush=True)
         return False
-    differing = [f"--{k.replace('_', '-')} {v} there, {getattr(args, k)} here"
-                 for k, v in saved["args"].items() if getattr(args, k) != v]
+    differing = [
+        f"--{k.replace('_', '-')} {v} there, {getattr(args, k)} here"
+        for k, v in saved["args"].items()
+        if getattr(args, k) != v
+    ]
     if differing:
-        raise SetupError(f"{path} was written with different settings ({', '.join(differing)}"
-                         f"); resume with the same values or use another --checkpoint-dir")
+        raise SetupError(
+            f"{path} was written with different settings ({', '.join(differing)}"
+            f"); resume with the same values or use another --checkpoint-dir"
+        )
     state.load_state_dict(saved)
-    if not d.is_main:
+    if not d.rank == 0:
         state.seen.zero_()  # rank 0 carries the epoch's coverage so far
     if saved["world_size"] == d.world_size:
         rng = saved["rng"][d.rank]  # this rank's streams, where they were
@@ -225,12 +273,17 @@ def load_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> boo
             torch.cuda.set_rng_state(rng["cuda"].cpu(), d.device)
     else:
         torch.manual_seed(args.seed + d.rank + 1_000_003 * state.step)
-        if d.is_main:
-            print(f"world size changed ({saved['world_size']} -> {d.world_size}): random streams "
-                  f"reseeded; weights, optimizer and data position carry on exactly")
-    if d.is_main:
-        print(f"resuming from {path}: epoch {state.epoch} with {state.position} of its "
-              f"{args.train_size} samples done, global step {state.step}", flush=True)
+        if d.rank == 0:
+            print(
+                f"world size changed ({saved['world_size']} -> {d.world_size}): random streams "
+                f"reseeded; weights, optimizer and data position carry on exactly"
+            )
+    if d.rank == 0:
+        print(
+            f"resuming from {path}: epoch {state.epoch} with {state.position} of its "
+            f"{args.train_size} samples done, global step {state.step}",
+            flush=True,
+        )
     return True
 
 
@@ -283,6 +336,7 @@ class ResumableSampler(DistributedSampler):
     batch b on W ranks, that deal has used exactly the first s*b*W positions of the order,
     whichever ranks took them. So a resume skips that many positions and deals the rest the
     same way over the ranks it has now: nothing is loaded again, nothing is skipped."""
+
     start = 0  # positions of this epoch's order already consumed
 
     def set_position(self, epoch: int, start: int) -> None:
@@ -293,13 +347,16 @@ class ResumableSampler(DistributedSampler):
         n = len(self.dataset)
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
-        rest = order[self.start:]
+        rest = order[self.start :]
         self.padding = -len(rest) % self.num_replicas
-        rest += (order * (self.padding // n + 1))[:self.padding]  # pad with the order's head
-        indices = rest[self.rank::self.num_replicas]
+        rest += (order * (self.padding // n + 1))[: self.padding]  # pad with the order's head
+        indices = rest[self.rank :: self.num_replicas]
         if self.start == 0:  # from the top, this must be exactly what DistributedSampler deals
-            check(indices == list(super().__iter__()), "sampler matches DistributedSampler",
-                  f"epoch {self.epoch}: the resumable deal differs from the stock one")
+            check(
+                indices == list(super().__iter__()),
+                "sampler matches DistributedSampler",
+                f"epoch {self.epoch}: the resumable deal differs from the stock one",
+            )
         return iter(indices)
 
     def __len__(self) -> int:
@@ -321,8 +378,12 @@ def train(model: DDP, loader: DataLoader, state: TrainState, first_attempt: bool
             state.scaler.step(state.optimizer)  # optimizer.step(); skipped if fp16 overflowed
             state.scaler.update()
             state.seen.index_add_(0, index, torch.ones_like(index))
-            loss_sum += torch.stack([loss.detach().float() * len(index),  # no host sync per step
-                                     loss_sum.new_tensor(len(index))])
+            loss_sum += torch.stack(
+                [
+                    loss.detach().float() * len(index),  # no host sync per step
+                    loss_sum.new_tensor(len(index)),
+                ]
+            )
             state.step += 1
             state.position += args.batch_size * d.world_size  # the last batch may be short
             if i == len(loader):
@@ -336,12 +397,17 @@ def train(model: DDP, loader: DataLoader, state: TrainState, first_attempt: bool
             else:
                 continue
             dist.all_reduce(loss_sum)  # the mean loss over every rank's batches since the last save
-            if not torch.isfinite(loss_sum[0]):  # before the save: the last finite one stays
+            weights = [t for t in state.model.state_dict().values() if t.is_floating_point()]
+            finite = all(t.isfinite().all() for t in weights)  # parameters and buffers
+            if not (finite and torch.isfinite(loss_sum[0])):  # before the save: the last good stays
                 raise SetupError(f"loss is not finite at step {state.step}; lower --lr")
             path = save_checkpoint(state, args, d)
-            if d.is_main:
-                print(f"step {state.step:4d}  loss {(loss_sum[0] / loss_sum[1]).item():.4f}  "
-                      f"saved {path.name} ({where})", flush=True)
+            if d.rank == 0:
+                print(
+                    f"step {state.step:4d}  loss {(loss_sum[0] / loss_sum[1]).item():.4f}  "
+                    f"saved {path.name} ({where})",
+                    flush=True,
+                )
             loss_sum.zero_()
 
 
@@ -349,19 +415,37 @@ def save_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> Pat
     """Every rank calls it: random states and coverage are gathered; rank 0 writes the file,
     then its sha256 (last: it marks the save finished), and keeps only the newest --keep."""
     rngs = [None] * d.world_size
-    dist.all_gather_object(rngs, {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state(
-        d.device) if d.device.type == "cuda" else None})  # dropout's; add any other you use
+    dist.all_gather_object(
+        rngs,
+        {
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None,
+        },
+    )  # dropout's; add any other you use
     seen = state.seen.to(d.device, copy=True)  # NCCL reduces GPU tensors; counts live on CPU
     dist.all_reduce(seen)
     path, error = args.checkpoint_dir / f"step-{state.step:08d}.pt", None
-    if d.is_main:
+    if d.rank == 0:
         buffer = io.BytesIO()
-        torch.save({**state.state_dict(), "seen": seen.cpu(), "rng": rngs, "world_size":
-                    d.world_size, "args": {k: getattr(args, k) for k in SHAPES_THE_RUN}}, buffer)
+        torch.save(
+            {
+                **state.state_dict(),
+                "seen": seen.cpu(),
+                "rng": rngs,
+                "world_size": d.world_size,
+                "args": {k: getattr(args, k) for k in SHAPES_THE_RUN},
+            },
+            buffer,
+        )
         data = buffer.getvalue()
         try:
-            for target, payload in ((path, data), (path.with_name(path.name + ".sha256"),
-                                    f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode())):
+            for target, payload in (
+                (path, data),
+                (
+                    path.with_name(path.name + ".sha256"),
+                    f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(),
+                ),
+            ):
                 tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
                 with open(tmp, "wb") as f:
                     f.write(payload)
@@ -371,7 +455,7 @@ def save_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> Pat
             fd = os.open(args.checkpoint_dir, os.O_RDONLY)
             os.fsync(fd)  # the renames themselves survive a power cut
             os.close(fd)
-            for old in sorted(args.checkpoint_dir.glob("step-*.pt"), reverse=True)[args.keep:]:
+            for old in sorted(args.checkpoint_dir.glob("step-*.pt"), reverse=True)[args.keep :]:
                 for gone in (old.with_name(old.name + ".sha256"), old):  # marker first
                     gone.unlink(missing_ok=True)
         except OSError as e:
@@ -392,9 +476,12 @@ def check_coverage(seen: torch.Tensor, sampler: ResumableSampler, epoch: int, d:
     """Every sample trained on once this epoch, over all ranks and any resume (+ padding)."""
     total = seen.to(d.device, copy=True)
     dist.all_reduce(total)  # NCCL reduces GPU tensors; the counts live on the CPU
-    check(int(total.min()) >= 1 and int(total.sum()) == len(total) + sampler.padding,
-          "each sample once per epoch", f"epoch {epoch}: {int((total == 0).sum())} never seen, "
-          f"{int(total.sum())} visits for {len(total)} samples + {sampler.padding} padding")
+    check(
+        int(total.min()) >= 1 and int(total.sum()) == len(total) + sampler.padding,
+        "each sample once per epoch",
+        f"epoch {epoch}: {int((total == 0).sum())} never seen, "
+        f"{int(total.sum())} visits for {len(total)} samples + {sampler.padding} padding",
+    )
 
 
 def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
@@ -403,33 +490,45 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    check(len(set(digests)) == 1, "identical replicas",
-          f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}")
-    return (f"{d.world_size} rank(s) hold identical parameters and buffers "
-            f"({flat.numel():,} values, sha256 {digest[:16]})")
+    check(
+        len(set(digests)) == 1,
+        "identical replicas",
+        f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}",
+    )
+    return (
+        f"{d.world_size} rank(s) hold identical parameters and buffers "
+        f"({flat.numel():,} values, sha256 {digest[:16]})"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
     c = parser.add_argument_group("checkpoints")
-    c.add_argument("--checkpoint-dir", type=Path, default=Path("checkpoints"), metavar="DIR",
-                   help="on storage every node sees (default: %(default)s)")
-    c.add_argument("--save-every", type=int, default=20, metavar="STEPS",
-                   help="also save every STEPS optimizer steps, mid-epoch (default: %(default)s)")
-    c.add_argument("--keep", type=int, default=3, help="newest checkpoints kept (default: 3)")
-    c.add_argument("--simulate-failure", type=int, metavar="STEP",
-                   help="the last rank SIGKILLs itself at this global step, first attempt only")
+    add(c, "--checkpoint-dir", "on storage every node sees", type=Path, default=Path("checkpoints"))
+    add(c, "--save-every", "also save every N steps, mid-epoch", type=number(int, 1), default=20)
+    add(c, "--keep", "newest checkpoints kept", type=number(int, 1), default=3)
+    what = "the last rank SIGKILLs itself at this global step, first attempt only"
+    add(c, "--simulate-failure", what, type=number(int, 1), metavar="STEP")
     t = parser.add_argument_group("training")
-    t.add_argument("--epochs", type=int, default=3, help="epochs to train (default: %(default)s)")
-    t.add_argument("--train-size", type=int, default=2048, help="images (default: %(default)s)")
-    t.add_argument("--batch-size", type=int, default=32, help="per process (default: 32)")
-    t.add_argument("--lr", type=float, default=3e-3, help="AdamW's (default: %(default)g)")
-    t.add_argument("--weight-decay", type=float, default=0.01, help="AdamW's (default: 0.01)")
-    t.add_argument("--amp", choices=["none", *AMP_DTYPES], default="none",
-                   help="autocast dtype; fp16 (GradScaler, saved too) needs CUDA (default: none)")
-    t.add_argument("--seed", type=int, default=0, help="weights, data, order (default: 0)")
+    add(t, "--epochs", "epochs to train", type=number(int, 1), default=3)
+    add(t, "--train-size", "images", type=number(int, 1), default=2048)
+    add(t, "--batch-size", "per process", type=number(int, 1), default=32)
+    add(t, "--lr", "AdamW's", type=number(float, 0), default=3e-3)
+    add(t, "--weight-decay", "AdamW's", type=number(float, 0), default=0.01)
+    add(
+        t, "--amp", "autocast dtype; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES]
+    )
+    add(t, "--seed", "weights, data, order", type=number(int, 0), default=0)
     add_launch_args(parser)
     return parser
 
@@ -437,18 +536,22 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_launch_args(parser, args)
-    lowest = dict(save_every=1, keep=1, simulate_failure=1, epochs=1, train_size=1, batch_size=1,
-                  seed=0)  # and below 2**32: a seed past 2**64 overflows torch's
-    for name, low in lowest.items():
-        value = getattr(args, name)
-        if value is not None and not low <= value < 2**32:
-            parser.error(f"--{name.replace('_', '-')}: must be >= {low} and < 2**32, got {value}")
-    if not args.lr > 0:
-        parser.error(f"--lr: must be > 0, got {args.lr}")
     if args.amp == "fp16" and not torch.cuda.is_available():
         parser.error("--amp fp16 needs CUDA (float16 autocast, GradScaler); on CPU use bf16")
     return args
+
+
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
+    def parse(text: str):
+        value = cast(text)
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        return value
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
+    return parse
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -466,110 +569,115 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 

@@ -25,14 +25,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
 import json
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -71,72 +74,109 @@ def main(args: argparse.Namespace) -> None:
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     metrics = metrics_from_sums(sums, num_classes)
     if not math.isfinite(metrics["loss"]):  # all-reduced: every rank stops here together
-        raise SetupError(f"the loss is not finite: the model's weights hold NaN or inf "
-                         f"({args.checkpoint or 'the seeded model'})")
+        raise SetupError(
+            f"the loss is not finite: the model's weights hold NaN or inf "
+            f"({args.checkpoint or 'the seeded model'})"
+        )
     # 2. all_gather of tensors: every prediction, back in dataset order.
     table = gather_predictions(rows, d)
     # 3. all_gather_object: any picklable object, here a per-rank report. It pickles,
     # copies through the CPU and unpickles: fine for small things, slow for big tensors,
     # and unpickling runs code, so use it only between processes you trust (your own job).
     reports = [None] * d.world_size
-    dist.all_gather_object(reports, {"rank": d.rank, "host": socket.gethostname(),
-                                     "samples": len(mine), "seconds": round(seconds, 3)})
+    dist.all_gather_object(
+        reports,
+        {
+            "rank": d.rank,
+            "host": socket.gethostname(),
+            "samples": len(mine),
+            "seconds": round(seconds, 3),
+        },
+    )
 
     # ---- checks: every rank checks the combined results, so all stop together if one fails
     n = len(dataset)
-    check(metrics["num_samples"] == n, "each sample once",
-          f"counted {metrics['num_samples']} samples, the set has {n}")
-    check(table[:, 0].tolist() == list(range(n)), "every index gathered",
-          "the gathered predictions are not exactly the indices 0..N-1")
-    check(int((table[:, 1] == table[:, 2]).sum()) == metrics["correct"], "gather = reduce",
-          "correct counts from all_gather and all_reduce disagree")
+    check(
+        metrics["num_samples"] == n,
+        "each sample once",
+        f"counted {metrics['num_samples']} samples, the set has {n}",
+    )
+    check(
+        table[:, 0].tolist() == list(range(n)),
+        "every index gathered",
+        "the gathered predictions are not exactly the indices 0..N-1",
+    )
+    check(
+        int((table[:, 1] == table[:, 2]).sum()) == metrics["correct"],
+        "gather = reduce",
+        "correct counts from all_gather and all_reduce disagree",
+    )
     check(sum(r["samples"] for r in reports) == n, "reports", "per-rank sample counts")
-    if d.is_main:
-        per_rank = ", ".join(f"rank {r['rank']}: {r['samples']} in {r['seconds']}s"
-                             for r in reports)
+    if d.rank == 0:
+        per_rank = ", ".join(
+            f"rank {r['rank']}: {r['samples']} in {r['seconds']}s" for r in reports
+        )
         print(f"evaluated {n} samples on {d.world_size} rank(s) ({per_rank})")
-        print(f"exact:  accuracy {metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%  "
-              f"loss {metrics['loss']:.6f}")
+        print(
+            f"exact:  accuracy {metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%  "
+            f"loss {metrics['loss']:.6f}"
+        )
         naive_correct, naive_n = naive_padded_metrics(table, n, d.world_size)
         if naive_n != n:
-            print(f"naive:  accuracy {naive_correct}/{naive_n} = "
-                  f"{100 * naive_correct / naive_n:.2f}%  (DistributedSampler pads {naive_n - n}"
-                  f" repeat(s) so every rank holds {naive_n // d.world_size}; they count twice)")
+            print(
+                f"naive:  accuracy {naive_correct}/{naive_n} = "
+                f"{100 * naive_correct / naive_n:.2f}%  (DistributedSampler pads {naive_n - n}"
+                f" repeat(s) so every rank holds {naive_n // d.world_size}; they count twice)"
+            )
         if args.metrics_json:
             write_atomic(args.metrics_json, (json.dumps(metrics, indent=1) + "\n").encode())
         if args.predictions:
-            write_atomic(args.predictions, ("index,label,prediction\n" + "".join(
-                f"{i},{y},{p}\n" for i, p, y in table.tolist())).encode())
+            write_atomic(
+                args.predictions,
+                (
+                    "index,label,prediction\n"
+                    + "".join(f"{i},{y},{p}\n" for i, p, y in table.tolist())
+                ).encode(),
+            )
     verified = f"{n} samples counted once, all_gather agrees with all_reduce"
     if args.verify:
         verified += "; " + verify_against_one_process(model, dataset, args, d, metrics)
     dist.barrier()
-    if d.is_main:
+    if d.rank == 0:
         print(f"verified: {verified}", flush=True)
 
 
 def build_dataset(args: argparse.Namespace):
     if not args.data:
-        return SyntheticImages(args.val_size, args.num_classes, args.image_size, args.seed,
-                               train=False)  # 03's validation images
+        return SyntheticImages(
+            args.val_size, args.num_classes, args.image_size, args.seed, train=False
+        )  # 03's validation images
     from torchvision import transforms as T
     from torchvision.datasets import ImageFolder
 
-    root = Path(args.data) / "val"
+    root = args.data / "val"
     if not root.is_dir():
-        raise SetupError(f"--data {args.data}: expected a folder {root} with one sub-folder "
-                         f"per class")
-    transform = T.Compose([T.Resize(round(args.image_size * 256 / 224)),
-                           T.CenterCrop(args.image_size), T.ToTensor(),
-                           T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+        raise SetupError(
+            f"--data {args.data}: expected a folder {root} with one sub-folder per class"
+        )
+    transform = T.Compose(
+        [
+            T.Resize(round(args.image_size * 256 / 224)),
+            T.CenterCrop(args.image_size),
+            T.ToTensor(),
+            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+        ]
+    )
     try:
         dataset = ImageFolder(root, transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
         raise SetupError(f"--data {args.data}: {e}") from e
     train = sorted(p.name for p in (root.parent / "train").glob("*") if p.is_dir())
     if train and train != dataset.classes:  # labels are class indices: the lists must agree
-        raise SetupError(f"--data {args.data}: the val folder's classes {dataset.classes} "
-                         f"differ from train's {train}, so its labels do not match a model's")
+        raise SetupError(
+            f"--data {args.data}: the val folder's classes {dataset.classes} "
+            f"differ from train's {train}, so its labels do not match a model's"
+        )
     return dataset
 
 
@@ -149,8 +189,9 @@ class SyntheticImages(Dataset):
         patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
         g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
         self.labels = torch.randint(num_classes, (size,), generator=g)
-        self.images = patterns[self.labels] + 1.5 * torch.randn(size, 3, image_size, image_size,
-                                                                generator=g)
+        self.images = patterns[self.labels] + 1.5 * torch.randn(
+            size, 3, image_size, image_size, generator=g
+        )
         self.classes = list(range(num_classes))
 
     def __len__(self) -> int:
@@ -175,24 +216,34 @@ def build_model(args: argparse.Namespace, num_classes: int, d: Dist) -> nn.Modul
             # weights_only refuses pickled code: a checkpoint is data, not a program.
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever torch.load raises, name the file
-            raise SetupError(f"--checkpoint {path}: torch.load cannot read it "
-                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]})") from e
-        if not (isinstance(state, dict) and state
-                and all(isinstance(v, torch.Tensor) for v in state.values())):
+            raise SetupError(
+                f"--checkpoint {path}: torch.load cannot read it "
+                f"({type(e).__name__}: {str(e).splitlines()[0][:120]})"
+            ) from e
+        if not (
+            isinstance(state, dict)
+            and state
+            and all(isinstance(v, torch.Tensor) for v in state.values())
+        ):
             raise SetupError(f"--checkpoint {path}: not a state_dict (a dict of tensors)")
         state = {k.removeprefix("module."): v for k, v in state.items()}
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
-            raise SetupError(f"--checkpoint {path} does not fit --arch {args.arch} with "
-                             f"{num_classes} classes: {describe_mismatch(model, state)}") from e
+            raise SetupError(
+                f"--checkpoint {path} does not fit --arch {args.arch} with "
+                f"{num_classes} classes: {describe_mismatch(model, state)}"
+            ) from e
     return model.to(d.device).eval()
 
 
 def describe_mismatch(model: nn.Module, state: dict) -> str:
     own = model.state_dict()
-    shapes = [f"{k} is {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the model"
-              for k, v in own.items() if k in state and state[k].shape != v.shape]
+    shapes = [
+        f"{k} is {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the model"
+        for k, v in own.items()
+        if k in state and state[k].shape != v.shape
+    ]
     missing = [k for k in own if k not in state]
     extra = [k for k in state if k not in own]
     parts = shapes[:2]
@@ -212,8 +263,12 @@ def clock(d: Dist) -> float:
 @torch.inference_mode()
 def evaluate_shard(model: nn.Module, dataset, indices, args, d: Dist, num_classes: int):
     """Evaluate the given dataset indices; return sums and per-sample results."""
-    loader = DataLoader(Subset(Indexed(dataset), indices), batch_size=args.batch_size,
-                        num_workers=args.workers, pin_memory=d.device.type == "cuda")
+    loader = DataLoader(
+        Subset(Indexed(dataset), indices),
+        batch_size=args.batch_size,
+        num_workers=args.workers,
+        pin_memory=d.device.type == "cuda",
+    )
     # sums: correct, count, loss sum, then per-class correct and per-class total
     sums = torch.zeros(3 + 2 * num_classes, dtype=torch.float64, device=d.device)
     rows = []
@@ -226,8 +281,8 @@ def evaluate_shard(model: nn.Module, dataset, indices, args, d: Dist, num_classe
         sums[0] += hit.sum()
         sums[1] += len(labels)
         sums[2] += F.cross_entropy(logits.double(), labels, reduction="sum")
-        sums[3:3 + num_classes].index_add_(0, labels, hit)
-        sums[3 + num_classes:].index_add_(0, labels, torch.ones_like(hit))
+        sums[3 : 3 + num_classes].index_add_(0, labels, hit)
+        sums[3 + num_classes :].index_add_(0, labels, torch.ones_like(hit))
         rows.append(torch.stack([index.to(d.device, non_blocking=True), predictions, labels], 1))
     rows = torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.int64, device=d.device)
     return sums, rows
@@ -250,10 +305,14 @@ class Indexed(Dataset):
 def metrics_from_sums(sums: torch.Tensor, num_classes: int) -> dict:
     s = sums.tolist()
     n = int(s[1])
-    return {"num_samples": n, "correct": int(s[0]), "accuracy": s[0] / n if n else 0.0,
-            "loss": s[2] / n if n else 0.0,
-            "per_class_correct": [int(x) for x in s[3:3 + num_classes]],
-            "per_class_total": [int(x) for x in s[3 + num_classes:]]}
+    return {
+        "num_samples": n,
+        "correct": int(s[0]),
+        "accuracy": s[0] / n if n else 0.0,
+        "loss": s[2] / n if n else 0.0,
+        "per_class_correct": [int(x) for x in s[3 : 3 + num_classes]],
+        "per_class_total": [int(x) for x in s[3 + num_classes :]],
+    }
 
 
 def gather_predictions(rows: torch.Tensor, d: Dist) -> torch.Tensor:
@@ -263,20 +322,21 @@ def gather_predictions(rows: torch.Tensor, d: Dist) -> torch.Tensor:
     dist.all_gather(sizes, size)
     largest = max(int(s) for s in sizes)
     padded = torch.full((largest, 3), -1, dtype=rows.dtype, device=d.device)
-    padded[:len(rows)] = rows
+    padded[: len(rows)] = rows
     gathered = [torch.empty_like(padded) for _ in range(d.world_size)]
     dist.all_gather(gathered, padded)
-    table = torch.cat([g[:int(s)] for g, s in zip(gathered, sizes)])
+    table = torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
     return table[table[:, 0].argsort()]  # ordered by dataset index
 
 
 # ---- checks -------------------------------------------------------------------------------
 
+
 def naive_padded_metrics(table: torch.Tensor, n: int, world_size: int) -> tuple[int, int]:
     """What a DistributedSampler(drop_last=False) evaluation would have counted."""
     per_rank = math.ceil(n / world_size)
     padded = list(range(n)) + list(range(n)) * math.ceil(per_rank * world_size / n)
-    used = padded[:per_rank * world_size]  # every index the padded ranks would evaluate
+    used = padded[: per_rank * world_size]  # every index the padded ranks would evaluate
     hits = (table[:, 1] == table[:, 2]).long()
     return int(hits[used].sum()), len(used)
 
@@ -289,15 +349,21 @@ def verify_against_one_process(model, dataset, args, d: Dist, metrics: dict) -> 
     # Only rank 0 works here; the others wait in the barrier below, which is the right
     # place to wait. Evaluating on rank 0 alone while the others are already inside a
     # collective (an all_reduce of their results, say) is the classic evaluation hang.
-    if d.is_main:
+    if d.rank == 0:
         num_classes = len(dataset.classes)
         sums, _ = evaluate_shard(model, dataset, range(len(dataset)), args, d, num_classes)
         alone = metrics_from_sums(sums, num_classes)
         for key in ("num_samples", "correct", "per_class_correct", "per_class_total"):
-            check(alone[key] == metrics[key], "equal to one process",
-                  f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone")
-        check(abs(alone["loss"] - metrics["loss"]) < 1e-6, "equal to one process",
-              f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone")
+            check(
+                alone[key] == metrics[key],
+                "equal to one process",
+                f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone",
+            )
+        check(
+            abs(alone["loss"] - metrics["loss"]) < 1e-6,
+            "equal to one process",
+            f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone",
+        )
     dist.barrier()
     return "identical to a one-process evaluation (counts exact, loss within 1e-6)"
 
@@ -311,44 +377,42 @@ def write_atomic(path: Path, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: the run's result is lost, so say where and why
+    except OSError as e:  # a full disk, say: name the file, not a traceback
         tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
+        raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", type=Path, metavar="PATH",
-                        help="a state_dict of --arch, as 03 --save-model writes it (default: a "
-                             "fixed model seeded by --seed)")
-    parser.add_argument("--arch", default="resnet18", metavar="ARCH",
-                        choices=sorted(torchvision.models.list_models(module=torchvision.models)),
-                        help="any torchvision classification model (default: %(default)s)")
-    parser.add_argument("--norm", choices=["batch", "group"], default="batch",
-                        help="group: the GroupNorm variant 03 trains with --norm group "
-                             "(default: %(default)s)")
-    parser.add_argument("--data", metavar="DIR",
-                        help="an ImageFolder tree; DIR/val is evaluated (default: synthetic)")
-    parser.add_argument("--val-size", type=positive_int, default=1024,
-                        help="synthetic validation images (default: %(default)s)")
-    parser.add_argument("--num-classes", type=positive_int, default=10,
-                        help="synthetic classes (default: %(default)s)")
-    parser.add_argument("--image-size", type=positive_int, default=32,
-                        help="image side in pixels (default: %(default)s)")
-    parser.add_argument("--batch-size", type=positive_int, default=64,
-                        help="images per batch on each rank (default: %(default)s)")
-    parser.add_argument("--workers", type=nonnegative_int, default=0,
-                        help="DataLoader worker processes per rank (default: %(default)s)")
-    parser.add_argument("--seed", type=seed_value, default=0,
-                        help="seeds the synthetic set and the model (default: %(default)s)")
-    parser.add_argument("--verify", action="store_true",
-                        help="rank 0 also evaluates the whole set alone and compares")
-    parser.add_argument("--metrics-json", type=output_file, metavar="PATH",
-                        help="rank 0 writes the metrics as JSON")
-    parser.add_argument("--predictions", type=output_file, metavar="PATH",
-                        help="rank 0 writes a CSV: index,label,prediction")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
+    what = "weights of --arch, as 03 --save-model writes them (default: a seeded model)"
+    add(parser, "--checkpoint", what, type=Path, metavar="PATH")
+    models = sorted(torchvision.models.list_models(module=torchvision.models))
+    add(parser, "--arch", "any torchvision classifier", default="resnet18", choices=models)
+    what = "group: the GroupNorm variant of 03 --norm group"
+    add(parser, "--norm", what, choices=["batch", "group"], default="batch")
+    add(parser, "--data", "an ImageFolder tree; DIR/val is evaluated", type=Path, metavar="DIR")
+    add(parser, "--val-size", "synthetic validation images", type=number(int, 1), default=1024)
+    add(parser, "--num-classes", "synthetic classes", type=number(int, 2), default=10)
+    add(parser, "--image-size", "image side in pixels", type=number(int, 1), default=32)
+    add(parser, "--batch-size", "images per batch on each rank", type=number(int, 1), default=64)
+    add(parser, "--workers", "DataLoader workers per rank", type=number(int, 0), default=0)
+    add(parser, "--seed", "seeds the synthetic set and the model", type=number(int, 0), default=0)
+    what = "rank 0 also evaluates the whole set alone and compares"
+    add(parser, "--verify", what, action="store_true")
+    what = "rank 0 writes the metrics there as JSON"
+    add(parser, "--metrics-json", what, type=output_file, metavar="PATH")
+    what = "rank 0 writes a CSV there: index,label,prediction"
+    add(parser, "--predictions", what, type=output_file, metavar="PATH")
     add_launch_args(parser)
     return parser
 
@@ -356,26 +420,33 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_launch_args(parser, args)
-    if args.metrics_json and args.metrics_json.resolve() == (args.predictions or Path()).resolve():
-        parser.error("--metrics-json and --predictions name the same file")
+    outputs = [("--metrics-json", args.metrics_json), ("--predictions", args.predictions)]
+    files = [(name, path) for name, path in outputs if path]
+    for i, (name, path) in enumerate(files):  # no output may be an input, or another output
+        for other, earlier in [("--checkpoint", args.checkpoint), *files[:i]]:
+            if earlier and same_file(path, earlier):
+                parser.error(f"{name} {path} is the file {other} names: it would be overwritten")
     return args
 
 
-def bounded(cast, test, rule: str):
-    """An argparse type: cast the text, refuse values outside the rule."""
+def same_file(a: Path, b: Path) -> bool:
+    """The same file, whatever the spelling: ./x, a symbolic link to it, a hard link."""
+    if a.exists() and b.exists():
+        return os.path.samefile(a, b)
+    return a.resolve() == b.resolve()
+
+
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
     def parse(text: str):
         value = cast(text)
-        if not test(value):
-            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
         return value
-    parse.__name__ = cast.__name__  # argparse says "invalid int value: 'x'"
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
-
-
-positive_int = bounded(int, lambda v: v >= 1, ">= 1")
-nonnegative_int = bounded(int, lambda v: v >= 0, ">= 0")
-seed_value = bounded(int, lambda v: 0 <= v < 2**32, ">= 0 and < 2**32")  # torch's: < 2**64
 
 
 def output_file(text: str) -> Path:
@@ -407,110 +478,115 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 

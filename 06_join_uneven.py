@@ -36,14 +36,17 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import contextlib
 import datetime
+import io
 import math
 import os
 import re
+import signal
 import socket
 import sys
 import tempfile
-import time
+import threading
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -65,22 +68,26 @@ def main(args: argparse.Namespace) -> None:
     d = setup(args.timeout)
     counts = batches_per_rank(args, d.world_size)
     if args.mode == "mismatch":  # no DDP model here: see mismatched_collectives
-        mismatched_collectives(d, dist.new_group(backend="gloo"))
-    if d.is_main:
-        print(f"mode {args.mode}: batches per rank {counts}, batch {args.batch_size}, "
-              f"divide_by_initial_world_size={args.divide_by_initial}", flush=True)
+        limit = datetime.timedelta(seconds=args.timeout)  # a new group's own: not the default's
+        mismatched_collectives(d, dist.new_group(backend="gloo", timeout=limit))
+    if d.rank == 0:
+        print(
+            f"mode {args.mode}: batches per rank {counts}, batch {args.batch_size}, "
+            f"divide_by_initial_world_size={args.divide_by_initial}",
+            flush=True,
+        )
     result, module = train(args, d, counts)
     everyone = [None] * d.world_size
     dist.all_gather_object(everyone, result)
     notes = verify(everyone, counts, args)
     if args.save_model:
-        if d.is_main:  # the unwrapped model (no "module."), written whole or not at all
-            tmp = args.save_model.with_name(f".{args.save_model.name}.tmp")
-            torch.save(module.state_dict(), tmp)
-            os.replace(tmp, args.save_model)
+        if d.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(module.state_dict(), buffer)  # the plain model: keys without "module."
+            write_atomic(args.save_model, buffer.getvalue())
             notes.append(f"rank 0 saved the weights to {args.save_model}")
         dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
-    if d.is_main:
+    if d.rank == 0:
         print("steps per rank: " + ", ".join(f"{r}: {e['steps']}" for r, e in enumerate(everyone)))
         print(f"verified: {'; '.join(notes)}", flush=True)
 
@@ -93,8 +100,10 @@ def batches_per_rank(args: argparse.Namespace, world_size: int) -> list[int]:
         raise SetupError("--mode mismatch needs at least 2 ranks (--spawn 2, or torchrun)")
     rank, step = args.nonfinite or (0, 0)
     if args.nonfinite and not (rank < world_size and step < counts[rank]):
-        raise SetupError(f"--nonfinite-at {rank}:{step}: rank {rank} has no step {step} "
-                         f"(batches per rank {counts}, steps count from 0)")
+        raise SetupError(
+            f"--nonfinite-at {rank}:{step}: rank {rank} has no step {step} "
+            f"(batches per rank {counts}, steps count from 0)"
+        )
     return counts
 
 
@@ -103,15 +112,18 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> tuple[dict, n
     layers = [nn.Linear(1, 1, bias=False)]
     if args.mode == "throw":
         layers.insert(0, ScaledByGlobalMean())
-    model = DDP(nn.Sequential(*layers).to(d.device),
-                device_ids=[d.device] if d.device.type == "cuda" else None)  # CPU: None
+    cuda = [d.device] if d.device.type == "cuda" else None  # CPU: None
+    model = DDP(nn.Sequential(*layers).to(d.device), device_ids=cuda)
     linear = model.module[-1]
     optimizer = torch.optim.SGD(model.parameters(), lr=args.lr)
-    inputs = [torch.full((args.batch_size, 1), float(d.rank + 1), device=d.device)
-              for _ in range(counts[d.rank])]
+    x = torch.full((args.batch_size, 1), float(d.rank + 1), device=d.device)
+    inputs = [x] * counts[d.rank]  # rank r feeds r + 1: the gradient has a closed form
     counter = SampleCounter(d.device)
     # Every rank creates every group, in the same order, whether it uses it or not.
-    side = dist.new_group(backend="gloo") if args.mode == "no-join" or args.nonfinite else None
+    limit = datetime.timedelta(seconds=args.timeout)  # a new group's own: not the default's
+    side = None
+    if args.mode == "no-join" or args.nonfinite:
+        side = dist.new_group(backend="gloo", timeout=limit)
     guard = StepGuard(d.device, side) if args.nonfinite else None
     grads = []  # (step, gradient, applied) per step: checked after training
 
@@ -152,12 +164,12 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> tuple[dict, n
                 for x in inputs:
                     one_step(x)
         except RuntimeError as e:
-            if d.is_main:
+            if d.rank == 0:
                 print(f"rank 0 caught: {e}", flush=True)
     else:
         find_uneven_end(inputs, one_step, side, d)
-    return {"steps": len(grads), "grads": grads, "weight": linear.weight.item(),
-            "counter": counter.total}, model.module
+    result = dict(steps=len(grads), grads=grads, weight=linear.weight.item(), counter=counter.total)
+    return result, model.module
 
 
 class ScaledByGlobalMean(nn.Module):
@@ -222,8 +234,9 @@ class StepGuard(Joinable, JoinHook):
         ranks reach it only after DDP's forward collectives, which this rank shadows next)."""
         if self.pending:  # the previous step's, long done: the others have stepped since
             self.pending.wait()
-        self.pending = dist.all_reduce(torch.zeros(1, dtype=torch.int64), group=self.group,
-                                       async_op=True)
+        self.pending = dist.all_reduce(
+            torch.zeros(1, dtype=torch.int64), group=self.group, async_op=True
+        )
 
     def post_hook(self, is_last_joiner: bool) -> None:
         if self.pending:
@@ -257,7 +270,8 @@ def find_uneven_end(inputs: list, one_step, side, d: Dist) -> None:
                 f"uneven inputs without join: at step {step} ranks {finished} have no batch "
                 f"left and ranks {training} are still training; those would wait in a "
                 f"gradient all-reduce that the others never start (until --timeout). Use "
-                f"model.join() (--mode join) or even inputs (drop_last)")
+                f"model.join() (--mode join) or even inputs (drop_last)"
+            )
         one_step(inputs[step])
 
 
@@ -272,8 +286,10 @@ def mismatched_collectives(d: Dist, side) -> None:
         # every rank prints torch's report, then all meet: a launcher stops all at the first exit
         sys.stderr.write(f"[rank {d.rank}] {' '.join(str(e).split())[:700]}\n")  # one write
         dist.barrier(group=side)
-        raise SetupError("collectives do not match across ranks: torch's report (from "
-                         "TORCH_DISTRIBUTED_DEBUG=DETAIL) is above") from e
+        raise SetupError(
+            "collectives do not match across ranks: torch's report (from "
+            "TORCH_DISTRIBUTED_DEBUG=DETAIL) is above"
+        ) from e
     raise CheckFailed("mismatch detected: DETAIL let mismatched collectives through")
 
 
@@ -286,35 +302,42 @@ def verify(everyone: list[dict], counts: list[int], args: argparse.Namespace) ->
     for rank, result in enumerate(everyone if args.mode != "no-join" else []):
         for step, got, applied in result["grads"]:  # applied: a skipped step has gradient 0
             want = expected_gradient(step, counts, args) if applied else 0.0
-            check(math.isclose(got, want, rel_tol=1e-6), "closed-form gradient",
-                  f"rank {rank} step {step}: gradient {got} but the formula gives {want}")
+            detail = f"rank {rank} step {step}: gradient {got} but the formula gives {want}"
+            check(math.isclose(got, want, rel_tol=1e-6), "closed-form gradient", detail)
             checked += applied
     torch.manual_seed(args.seed)
     w = nn.Linear(1, 1, bias=False).weight.item()  # the initial weight, as train() made it
     skip = args.nonfinite[1] if args.nonfinite else None
     for step in range(min(counts) if args.mode == "throw" else max(counts)):
         w -= 0 if step == skip else args.lr * expected_gradient(step, counts, args)
-    check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight",
-          f"final weight {weights[0]} but the formula gives {w}")
+    detail = f"final weight {weights[0]} but the formula gives {w}"
+    check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight", detail)
     notes.append(f"{checked} gradients and the final weight match the closed form")
     if args.nonfinite:
-        skipped = [sum(not applied for *_, applied in r["grads"]) for r in everyone
-                   if r["steps"] > skip]
-        check(skipped == [1] * len(skipped), "every rank skips the bad step",
-              f"ranks active at step {skip} skipped {skipped} steps")
-        notes.append(f"step {skip} (rank {args.nonfinite[0]}'s loss not finite) skipped on "
-                     f"all {len(skipped)} active ranks, its update left out")
+        skipped = [
+            sum(not applied for *_, applied in r["grads"]) for r in everyone if r["steps"] > skip
+        ]
+        check(
+            skipped == [1] * len(skipped),
+            "every rank skips the bad step",
+            f"ranks active at step {skip} skipped {skipped} steps",
+        )
+        notes.append(
+            f"step {skip} (rank {args.nonfinite[0]}'s loss not finite) skipped on "
+            f"all {len(skipped)} active ranks, its update left out"
+        )
     if args.mode == "throw":
         steps = [r["steps"] for r in everyone]
-        check(steps == [min(counts)] * len(everyone), "stop at the shortest",
-              f"steps per rank {steps}, expected {min(counts)} on every rank")
+        detail = f"steps per rank {steps}, expected {min(counts)} on every rank"
+        check(steps == [min(counts)] * len(everyone), "stop at the shortest", detail)
         notes.append(f"all ranks stopped after {min(counts)} step(s)")
     if args.mode == "join-counter":
         totals = {r["counter"] for r in everyone}
-        expected = args.batch_size * sum(sum(1 for n in counts if n > s)
-                                         for s in range(max(counts)) if s != skip)
-        check(totals == {expected}, "counter total",
-              f"ranks counted {sorted(totals)} samples, expected {expected}")
+        expected = args.batch_size * sum(
+            sum(1 for n in counts if n > s) for s in range(max(counts)) if s != skip
+        )
+        detail = f"ranks counted {sorted(totals)} samples, expected {expected}"
+        check(totals == {expected}, "counter total", detail)
         notes.append(f"the SampleCounter counted {expected} samples on every rank")
     return notes
 
@@ -330,28 +353,51 @@ def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) ->
     return total / (len(counts) if args.divide_by_initial else len(active))
 
 
+def write_atomic(path: Path, data: bytes) -> None:
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    except OSError as e:  # a full disk, say: name the file, not a traceback
+        tmp.unlink(missing_ok=True)
+        raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
+
+
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--mode", default="join",
-                        choices=["join", "join-counter", "throw", "no-join", "mismatch"],
-                        help="which case to run, each described above (default: %(default)s)")
-    parser.add_argument("--batches-per-rank", type=numbers(r"\d+(,\d+)*", "counts like 6,3,0"),
-                        metavar="N0,N1,...", help="batches on each rank (default: 6, 3, 2, 2, ...)")
-    parser.add_argument("--batch-size", type=int, default=2,
-                        help="samples per batch (default: %(default)s)")
-    parser.add_argument("--divide-by-initial-world-size", dest="divide_by_initial",
-                        action=argparse.BooleanOptionalAction, default=True,
-                        help="average gradients over all ranks, or over those still active")
-    parser.add_argument("--nonfinite-at", dest="nonfinite", metavar="RANK:STEP",
-                        type=numbers(r"\d+:\d+", "RANK:STEP like 1:2"),
-                        help="make that rank's loss NaN at that step (from 0); join modes")
-    parser.add_argument("--lr", type=float, default=0.01,
-                        help="SGD learning rate (default: %(default)g)")
-    parser.add_argument("--seed", type=int, default=0, help="the initial weight's (default: 0)")
-    parser.add_argument("--save-model", type=output_file, metavar="PATH",
-                        help="rank 0 saves model.module.state_dict() there at the end")
+    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
+    parser = argparse.ArgumentParser(
+        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
+    )
+
+    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
+        if how.get("default") is not None:
+            what += " (default: %(default)s)"
+        group.add_argument(name, help=what, **how)
+
+    modes = ["join", "join-counter", "throw", "no-join", "mismatch"]
+    add(parser, "--mode", "which case to run, each described above", choices=modes, default="join")
+    counts = "batches on each rank, at most 10000 (default: 6, 3, 2, 2, ...)"
+    add(parser, "--batches-per-rank", counts, type=numbers(","), metavar="N0,N1,...")
+    add(parser, "--batch-size", "samples per batch", type=number(int, 1), default=2)
+    what = "average gradients over all ranks, or over those still active"
+    add(
+        parser,
+        "--divide-by-initial-world-size",
+        what,
+        dest="divide_by_initial",
+        default=True,
+        action=argparse.BooleanOptionalAction,
+    )
+    what = "make that rank's loss NaN at that step (from 0); join modes"
+    add(parser, "--nonfinite-at", what, type=numbers(":"), dest="nonfinite", metavar="RANK:STEP")
+    add(parser, "--lr", "SGD's learning rate", type=number(float, 0), default=0.01)
+    add(parser, "--seed", "the initial weight's", type=number(int, 0), default=0)
+    add(parser, "--save-model", "rank 0 saves the weights there", type=output_file, metavar="PATH")
     add_launch_args(parser)
     return parser
 
@@ -359,24 +405,42 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
-    check_launch_args(parser, args)
-    if args.batch_size < 1 or not args.lr > 0 or not 0 <= args.seed < 2**32:
-        parser.error(f"--batch-size must be >= 1, --lr > 0, --seed in [0, 2**32); got "
-                     f"{args.batch_size}, {args.lr:g}, {args.seed}")
     if args.nonfinite and args.mode not in ("join", "join-counter"):
         parser.error("--nonfinite-at works with --mode join or join-counter")
+    if args.nonfinite and len(args.nonfinite) != 2:
+        parser.error(
+            f"--nonfinite-at: expected RANK:STEP, got {':'.join(map(str, args.nonfinite))}"
+        )
     if args.nonfinite and not args.divide_by_initial:
-        parser.error("--nonfinite-at needs --divide-by-initial-world-size: its check is first "
-                     "in Join, and only the first Joinable tells DDP how many ranks are active")
+        parser.error(
+            "--nonfinite-at needs --divide-by-initial-world-size: its check is first "
+            "in Join, and only the first Joinable tells DDP how many ranks are active"
+        )
     return args
 
 
-def numbers(pattern: str, example: str):
-    """An argparse type: whole numbers in the form of the regex pattern, as a tuple."""
+def numbers(separator: str):
+    """An argparse type: whole numbers from 0 to 10000 joined by separator, as a tuple (each
+    rank holds its batches in memory: a larger count would only exhaust it)."""
+
     def parse(text: str) -> tuple[int, ...]:
-        if not re.fullmatch(pattern, text):
-            raise argparse.ArgumentTypeError(f"expected {example}, got {text!r}")
-        return tuple(int(x) for x in re.split("[,:]", text))
+        if not re.fullmatch(rf"\d+({separator}\d+)*", text):
+            raise argparse.ArgumentTypeError(f"expected numbers joined by {separator}, got {text}")
+        return tuple(number(int, 0, 10001)(x) for x in text.split(separator))
+
+    return parse
+
+
+def number(cast, low: float, high: float = 2**32):
+    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+
+    def parse(text: str):
+        value = cast(text)
+        if not low <= value < high:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        return value
+
+    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
 
 
@@ -409,110 +473,115 @@ def check(ok: bool, name: str, detail: str) -> None:
 
 
 def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument("--spawn", nargs="?", type=int, const=0, metavar="N",
-                   help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2")
-    g.add_argument("--timeout", type=float, default=300.0, metavar="SECONDS",
-                   help="wait for a peer or a collective, at most 1e6 (default: %(default)g)")
-
-
-def check_launch_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # oldest tested
+    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    if args.spawn is not None and (args.spawn < 0 or "RANK" in os.environ):
-        parser.error("--spawn N needs N >= 0 and no launcher (under torchrun, drop --spawn)")
-    if not 0 < args.timeout <= 1e6:
-        parser.error(f"--timeout: must be > 0 and <= 1e6 seconds, got {args.timeout:g}")
+    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
+    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
+    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
+    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
+    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
 
 
 def launch(main, args: argparse.Namespace) -> None:
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if args.spawn is None and "RANK" in os.environ:  # a launcher started this process
+    if "RANK" in os.environ:  # a launcher started this process and set its variables
+        if args.spawn is not None:
+            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(s.getsockname()[1]),
-                          WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n))  # as torchrun sets them
+        port = str(s.getsockname()[1])
+    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(1)
+        sys.exit(128 + signal.SIGINT)
 
 
 def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
-    """Run main(args), then end the process: exit 0, or 1 after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    rank, code = os.environ["RANK"], 1
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+            signal.signal(sig, stop)
     try:
         main(args)
-        code = 0
-    except KeyboardInterrupt:
-        sys.stderr.write(f"[rank {rank}] interrupted\n")
-    except Exception as e:  # expected: ours, or the process group's (a timeout, a lost peer)
-        expected = isinstance(e, (SetupError, CheckFailed, dist.DistError)) or \
-            re.search(r"third_party/gloo|pair closure|by peer", str(e))
-        if not expected:  # a bug, most likely in code pasted in: keep its traceback
+    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        end(128 + signal.Signals[str(e)], f"stopped by {e}")
+    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
+    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
             traceback.print_exc()
-        tag = "CHECK FAILED" if isinstance(e, CheckFailed) else "error"  # one write: ranks
-        sys.stderr.write(f"[rank {rank}] {tag}: {'' if expected else type(e).__name__ + ': '}{e}\n")
-    atexit._run_exitfuncs(), sys.stdout.flush(), sys.stderr.flush()  # exit hooks (a logger's)
-    os._exit(code)  # no interpreter shutdown (Gloo aborts it, #190489), no destroy: NOTES.md
+        end(1, f"error: {type(e).__name__}: {e}")
+    end(0)
 
 
-class Dist(NamedTuple):  # who this process is in the job; setup() returns it
-    rank: int
-    world_size: int
-    device: torch.device
-    is_main: bool  # rank 0: it prints and saves
+def stop(signum: int, frame) -> None:
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def setup(timeout: float, backend: str = "auto", init_method: str = "env://", store=None) -> Dist:
+def end(code: int, why: str = "") -> None:
+    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
+    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+        sys.stdout.flush()
+    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+# who this process is in the job: setup() returns it
+Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+
+
+def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
     """Check the launcher's variables, bind this process to its device, join the group."""
     env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: a launcher "
-                         f"sets whole numbers, each rank below its size, the node's <= the world's")
-    if backend == "nccl" or backend == "auto" and torch.cuda.is_available():
-        if (gpus := torch.cuda.device_count()) != 1 and local_world > gpus:  # 1: its own
-            raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-        device = torch.device("cuda", local_rank if gpus > 1 else 0)  # ids restart per node
-        torch.cuda.set_device(device)  # before init, so nothing lands on GPU 0 by default
-    else:  # Gloo: CPU tensors, and the node's cores shared among its processes
-        device = torch.device("cpu")
+        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
+    device = bind_device(local_rank, local_world, backend)
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # torch's store may wait past the timeout (a client retries, and a port held by another
+    # program never answers) and cannot be interrupted: this timer ends the process instead.
+    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
+    deadline.start()
+    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
+    limit = datetime.timedelta(seconds=timeout)
+    try:  # device_id: NCCL connects now, on this process's GPU
+        dist.init_process_group(
+            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
+        )
+    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
+        raise SetupError(f"cannot join the process group at {where}: {first}") from e
+    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
+    return Dist(rank, world, device)
+
+
+def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
         cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
         torch.set_num_threads(max(1, len(cores) // local_world))
-    where = init_method if init_method != "env://" else \
-        f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    address = re.fullmatch(r"(?:env:// at |tcp://)(.+):(\d+)", where)  # rank 0's TCP store
-    deadline = time.monotonic() + timeout  # one deadline, where torch's own client would retry
-    while address and not store:  # after a random delay: up to twice the timeout (TCPStore.cpp)
-        try:  # the host must resolve; every other rank waits until rank 0 listens there
-            socket.create_connection(address.groups(), 5).close() if rank else \
-                socket.getaddrinfo(*address.groups())
-            break
-        except socket.gaierror as e:
-            raise SetupError(f"cannot resolve the host of {where}: {e.strerror}") from e
-        except OSError:
-            if time.monotonic() > deadline:
-                raise SetupError(f"rank 0 is not listening at {where} after {timeout:g}s") from None
-            time.sleep(0.1)
-    try:  # device_id (NCCL): connect now, on this GPU; barriers and new_group use it too
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=rank,
-                                world_size=world, timeout=datetime.timedelta(seconds=timeout),
-                                store=store, init_method=None if store else init_method,
-                                device_id=device if device.type == "cuda" else None)
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        late = re.match(r"(?is)(?=.*?(\d+)/\d+ clients joined)|(?=.*?timeout|.*?timed out)", str(e))
-        raise SetupError(f"{f'only {late[1]}' if late[1] else 'not all'} of {world} ranks joined "
-                         f"within {timeout:g}s ({where}); start the missing ones" if late else
-                         f"cannot join the process group at {where}: {e}") from e
-    return Dist(rank, world, device, rank == 0)
+        return torch.device("cpu")
+    gpus = torch.cuda.device_count()
+    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+        raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
+    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    return device
+
+
 # ==== shared plumbing: end =================================================================
 
 

@@ -101,10 +101,22 @@ def main() -> None:
     if args.bound_worker:
         return bound_worker(args)
 
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(args.nproc)]
-    shape = ["--arch", args.arch, "--image-size", str(args.image_size),
-             "--batch-size", str(args.batch_size)]
+    torchrun = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node",
+        str(args.nproc),
+    ]
+    shape = [
+        "--arch",
+        args.arch,
+        "--image-size",
+        str(args.image_size),
+        "--batch-size",
+        str(args.batch_size),
+    ]
     data = ["--train-size", str(16 * args.batch_size * args.nproc)]  # 16 steps per epoch
     out = run(torchrun + [__file__, "--bound-worker", "--steps", str(args.steps)] + shape)
     results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
@@ -118,18 +130,31 @@ def main() -> None:
 
     import torch
 
-    machine = (f"{platform.machine()}, {os.cpu_count()} cores, "
-               + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
-               + f", torch {torch.__version__}")
-    record = {"machine": machine, "nproc": args.nproc, "arch": args.arch,
-              "image_size": args.image_size, "batch_size_per_process": args.batch_size,
-              "images_per_s": results, "date": time.strftime("%Y-%m-%d")}
+    machine = (
+        f"{platform.machine()}, {os.cpu_count()} cores, "
+        + (torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")
+        + f", torch {torch.__version__}"
+    )
+    record = {
+        "machine": machine,
+        "nproc": args.nproc,
+        "arch": args.arch,
+        "image_size": args.image_size,
+        "batch_size_per_process": args.batch_size,
+        "images_per_s": results,
+        "date": time.strftime("%Y-%m-%d"),
+    }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
-    print(f"\n{machine}; {args.nproc} processes, {args.arch} {args.image_size}px, "
-          f"batch {args.batch_size} per process")
-    for label, key in (("(a) bound, no gradient sync", "a_bound"),
-                       ("(b) 03 default", "b_default"), ("(c) 03 --accum-steps 4", "c_accum4"),
-                       ("(d) 03 one process", "d_one_process")):
+    print(
+        f"\n{machine}; {args.nproc} processes, {args.arch} {args.image_size}px, "
+        f"batch {args.batch_size} per process"
+    )
+    for label, key in (
+        ("(a) bound, no gradient sync", "a_bound"),
+        ("(b) 03 default", "b_default"),
+        ("(c) 03 --accum-steps 4", "c_accum4"),
+        ("(d) 03 one process", "d_one_process"),
+    ):
         print(f"  {label:<30} {results[key]:8.1f} img/s")
     print(f"  b/a = {results['b_over_a']:.3f}   c/a = {results['c_over_a']:.3f}")
     print(f"(written to {args.out})")

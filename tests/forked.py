@@ -17,6 +17,7 @@ import io
 import multiprocessing
 import os
 import runpy
+import signal
 import sys
 
 import torch  # noqa: F401  (imported here so that no forked run pays for it)
@@ -36,6 +37,10 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     # as PYTHONUNBUFFERED=1 does for a launch: a rank that is killed has written its lines
     sys.stdout = io.TextIOWrapper(open(1, "wb", buffering=0, closefd=False), write_through=True)
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
+    # the default action for these, whatever the test session inherited (a background job
+    # of a shell ignores SIGINT), as launch.start() gives a launch
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)
     # multiprocessing's default start method (DataLoader workers use it), not the inherited

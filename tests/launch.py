@@ -26,9 +26,17 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 # what a launcher sets; a test decides the launcher, not the outer shell
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-               "MASTER_PORT", "GROUP_RANK", "TORCHELASTIC_RESTART_COUNT",
-               "TORCHELASTIC_USE_AGENT_STORE")
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "GROUP_RANK",
+    "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_USE_AGENT_STORE",
+)
 
 
 @dataclass
@@ -40,8 +48,10 @@ class Run:
     seconds: float
 
     def __str__(self) -> str:
-        return (f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.1f}s\n"
-                f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}")
+        return (
+            f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.1f}s\n"
+            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}"
+        )
 
     def ok(self) -> Run:
         assert self.returncode == 0, f"expected success:\n{self}"
@@ -90,17 +100,35 @@ def kill_tree(proc) -> None:
         pass
 
 
-def start(cmd: list[str], env: dict | None = None, gpu: bool = False) -> subprocess.Popen:
+def start(
+    cmd: list[str], env: dict | None = None, gpu: bool = False, ignore=()
+) -> subprocess.Popen:
     """gpu=False (the CPU lane) hides CUDA from the launch, so --backend auto means Gloo
-    even on a machine with GPUs; the GPU lane (tests/test_gpu.py) passes gpu=True."""
+    even on a machine with GPUs; the GPU lane (tests/test_gpu.py) passes gpu=True. The
+    launch starts with the default action for SIGINT, SIGTERM and SIGHUP, whatever the
+    test session inherited (a background job of a shell ignores SIGINT), but for the
+    signals in ignore, which it ignores (as under nohup)."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if not gpu:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
     for name in LAUNCH_VARS:
         if env is None or name not in env:
             full_env.pop(name, None)
-    return subprocess.Popen(cmd, cwd=REPO, env=full_env, text=True, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True)
+
+    def dispositions() -> None:  # in the child, before exec: not those of a background shell
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
+
+    return subprocess.Popen(
+        cmd,
+        preexec_fn=dispositions,
+        cwd=REPO,
+        env=full_env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
 
 
 def finish(proc: subprocess.Popen, cmd: list[str], timeout: float, started: float) -> Run:
@@ -109,15 +137,16 @@ def finish(proc: subprocess.Popen, cmd: list[str], timeout: float, started: floa
     except subprocess.TimeoutExpired:
         kill_tree(proc)
         out, err = proc.communicate()
-        pytest.fail(f"launch timed out after {timeout}s and was killed:\n"
-                    f"{Run(cmd, -9, out, err, time.monotonic() - started)}")
+        pytest.fail(
+            f"launch timed out after {timeout}s and was killed:\n"
+            f"{Run(cmd, -9, out, err, time.monotonic() - started)}"
+        )
     finally:
         kill_tree(proc)  # nothing outlives its test, even on success
     return Run(cmd, proc.returncode, out, err, time.monotonic() - started)
 
 
-def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
-            extra=()) -> list[str]:
+def command(script: str, args=(), launcher: str = "single", nproc: int = 2, extra=()) -> list[str]:
     """extra: options for torchrun itself, such as ("--max-restarts", 1). The "agent"
     launcher is one node's torchrun in a multi-node job: extra names its rendezvous."""
     path = str(REPO / script)
@@ -126,17 +155,42 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2,
     if launcher == "spawn":
         return [PYTHON, path, "--spawn", str(nproc), *args]
     if launcher == "torchrun":
-        return [PYTHON, "-m", "torch.distributed.run", "--standalone",
-                "--nproc_per_node", str(nproc), *map(str, extra), path, *args]
+        return [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node",
+            str(nproc),
+            *map(str, extra),
+            path,
+            *args,
+        ]
     if launcher == "agent":
-        return [PYTHON, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc),
-                *map(str, extra), path, *args]
+        return [
+            PYTHON,
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node",
+            str(nproc),
+            *map(str, extra),
+            path,
+            *args,
+        ]
     raise ValueError(launcher)
 
 
-def run(script: str, *args: str, launcher: str = "single", nproc: int = 2,
-        timeout: float = 120, env: dict | None = None, extra=(), gpu: bool = False,
-        file_size_kb: int | None = None) -> Run:
+def run(
+    script: str,
+    *args: str,
+    launcher: str = "single",
+    nproc: int = 2,
+    timeout: float = 120,
+    env: dict | None = None,
+    extra=(),
+    gpu: bool = False,
+    file_size_kb: int | None = None,
+) -> Run:
     """launcher "forked": forked() below, for tests that try several launchers.
     file_size_kb: ulimit -f for the launch, so a write past it fails part-way as on a full
     disk (Python ignores SIGXFSZ: write() fails with EFBIG where a full disk gives ENOSPC)."""
@@ -181,9 +235,12 @@ def forkserver():
         context.set_forkserver_preload(["forked"])
         # The server's environment, from its start on: the CPU lane's, and this folder on
         # its path (Python 3.11's forkserver ignores the sys.path it is given).
-        server_env = {"CUDA_VISIBLE_DEVICES": "",
-                      "PYTHONPATH": os.pathsep.join(filter(None, [
-                          str(REPO / "tests"), os.environ.get("PYTHONPATH")]))}
+        server_env = {
+            "CUDA_VISIBLE_DEVICES": "",
+            "PYTHONPATH": os.pathsep.join(
+                filter(None, [str(REPO / "tests"), os.environ.get("PYTHONPATH")])
+            ),
+        }
         saved = {name: os.environ.get(name) for name in server_env}
         os.environ.update(server_env)
         try:
@@ -204,8 +261,14 @@ def _forked_rank(*args) -> None:
     forked.child(*args)
 
 
-def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float = 120,
-           env: dict | None = None) -> Run:
+def forked(
+    script: str,
+    *args,
+    nproc: int = 1,
+    nnodes: int = 1,
+    timeout: float = 120,
+    env: dict | None = None,
+) -> Run:
     """Run the script in nproc fresh processes forked from one that has imported torch,
     torchvision and the scripts (tests/forked.py says why): with nproc 1 as `python script`
     would, else as torchrun's workers would, on env:// (as nnodes nodes of nproc / nnodes
@@ -219,23 +282,43 @@ def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float =
     ranks, port = {}, str(free_port())
     if nproc > 1:  # one process: no launcher's variables, as for `python script.py`
         per_node = nproc // nnodes
-        ranks = {rank: dict(RANK=str(rank), LOCAL_RANK=str(rank % per_node),
-                            GROUP_RANK=str(rank // per_node), WORLD_SIZE=str(nproc),
-                            LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=port) for rank in range(nproc)}
+        ranks = {
+            rank: dict(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank % per_node),
+                GROUP_RANK=str(rank // per_node),
+                WORLD_SIZE=str(nproc),
+                LOCAL_WORLD_SIZE=str(per_node),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=port,
+            )
+            for rank in range(nproc)
+        }
     base = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
     base.update(CUDA_VISIBLE_DEVICES="", **(env or {}))
     with tempfile.TemporaryDirectory(prefix="forked-") as tmp:
         folder = Path(tmp)
-        procs = [context.Process(target=_forked_rank, args=(
-            script, argv, {**base, **ranks.get(rank, {})}, str(folder / f"{rank}.out"),
-            str(folder / f"{rank}.err"))) for rank in range(nproc)]
+        procs = [
+            context.Process(
+                target=_forked_rank,
+                args=(
+                    script,
+                    argv,
+                    {**base, **ranks.get(rank, {})},
+                    str(folder / f"{rank}.out"),
+                    str(folder / f"{rank}.err"),
+                ),
+            )
+            for rank in range(nproc)
+        ]
         started = time.monotonic()
 
         def result(code: int) -> Run:
-            read = lambda suffix: "".join((folder / f"{rank}.{suffix}").read_text()
-                                          for rank in range(nproc)
-                                          if (folder / f"{rank}.{suffix}").exists())
+            read = lambda suffix: "".join(
+                (folder / f"{rank}.{suffix}").read_text()
+                for rank in range(nproc)
+                if (folder / f"{rank}.{suffix}").exists()
+            )
             return Run(cmd, code, read("out"), read("err"), time.monotonic() - started)
 
         try:
@@ -244,8 +327,7 @@ def forked(script: str, *args, nproc: int = 1, nnodes: int = 1, timeout: float =
             for proc in procs:
                 proc.join(max(0.0, started + timeout - time.monotonic()))
             if any(proc.exitcode is None for proc in procs):
-                pytest.fail(f"forked run timed out after {timeout}s and was killed:\n"
-                            f"{result(-9)}")
+                pytest.fail(f"forked run timed out after {timeout}s and was killed:\n{result(-9)}")
         finally:  # killed at the deadline, or if starting one of them failed
             for proc in procs:
                 if proc.pid is not None and proc.exitcode is None:
@@ -258,20 +340,33 @@ class Watched:
     """A launch whose output the test reads while it runs, to act at a given moment (kill a
     worker after a checkpoint, say). It has a deadline like any other launch."""
 
-    def __init__(self, script: str, *args, launcher: str = "single", nproc: int = 2,
-                 timeout: float = 120, env: dict | None = None, extra=()):
+    def __init__(
+        self,
+        script: str,
+        *args,
+        launcher: str = "single",
+        nproc: int = 2,
+        timeout: float = 120,
+        env: dict | None = None,
+        extra=(),
+        ignore=(),
+    ):
         self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
         self.started = time.monotonic()
         self.deadline = self.started + timeout
-        self.proc = start(self.cmd, env)
+        self.proc = start(self.cmd, env, ignore=ignore)
         self.lines: queue.Queue = queue.Queue()
         self.err_lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
         self.err: list[str] = []
-        self.readers = [threading.Thread(target=self._read, args=(self.proc.stdout, self.out,
-                                                                   self.lines), daemon=True),
-                        threading.Thread(target=self._read, args=(self.proc.stderr, self.err,
-                                                                   self.err_lines), daemon=True)]
+        self.readers = [
+            threading.Thread(
+                target=self._read, args=(self.proc.stdout, self.out, self.lines), daemon=True
+            ),
+            threading.Thread(
+                target=self._read, args=(self.proc.stderr, self.err, self.err_lines), daemon=True
+            ),
+        ]
         for reader in self.readers:
             reader.start()
 
@@ -283,8 +378,13 @@ class Watched:
         lines.put(None)
 
     def _run(self, returncode: int) -> Run:
-        return Run(self.cmd, returncode, "".join(self.out), "".join(self.err),
-                   time.monotonic() - self.started)
+        return Run(
+            self.cmd,
+            returncode,
+            "".join(self.out),
+            "".join(self.err),
+            time.monotonic() - self.started,
+        )
 
     def wait_for(self, text: str, stderr: bool = False) -> str:
         """Block until a stdout (or stderr) line contains text; fail at the deadline or exit."""
@@ -297,8 +397,7 @@ class Watched:
                 pytest.fail(f"no line with {text!r} before the deadline:\n{self._run(-9)}")
             if line is None:
                 self.proc.wait()
-                pytest.fail(f"exited before printing {text!r}:\n"
-                            f"{self._run(self.proc.returncode)}")
+                pytest.fail(f"exited before printing {text!r}:\n{self._run(self.proc.returncode)}")
             if text in line:
                 return line
 
@@ -363,8 +462,9 @@ def load_script(script: str):
     """Import a script as a module (its __main__ block does not run): for argument checks."""
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location(Path(script).stem.lstrip("0123456789_"),
-                                                  REPO / script)
+    spec = importlib.util.spec_from_file_location(
+        Path(script).stem.lstrip("0123456789_"), REPO / script
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
@@ -374,7 +474,7 @@ def load_script(script: str):
 # For the plumbing's promise that exit hooks run although every rank ends with os._exit:
 # imported by every Python process started with PYTHONPATH pointing at its folder, each
 # rank (RANK is set by then) writes a file from an atexit hook, as a logger's finish would.
-EXIT_HOOK = '''
+EXIT_HOOK = """
 import atexit, os
 
 def _finish():
@@ -383,7 +483,7 @@ def _finish():
             f.write("finished")
 
 atexit.register(_finish)
-'''
+"""
 
 
 def exit_hook_env(folder) -> dict:

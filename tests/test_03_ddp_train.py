@@ -11,12 +11,43 @@ from launch import forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
-VERIFIED = re.compile(r"^verified: (\d+) rank\(s\) hold identical parameters and buffers "
-                      r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)", re.M)
-SHORT = ["--train-size", "384", "--val-size", "128", "--batch-size", "32", "--epochs", "2",
-         "--image-size", "16", "--log-every", "3", "--timeout", "60"]
-TINY = ["--arch", "resnet18", "--image-size", "16", "--train-size", "64", "--val-size", "32",
-        "--batch-size", "16", "--epochs", "1", "--timeout", "60"]
+VERIFIED = re.compile(
+    r"^verified: (\d+) rank\(s\) hold identical parameters and buffers "
+    r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)",
+    re.M,
+)
+SHORT = [
+    "--train-size",
+    "384",
+    "--val-size",
+    "128",
+    "--batch-size",
+    "32",
+    "--epochs",
+    "2",
+    "--image-size",
+    "16",
+    "--log-every",
+    "3",
+    "--timeout",
+    "60",
+]
+TINY = [
+    "--arch",
+    "resnet18",
+    "--image-size",
+    "16",
+    "--train-size",
+    "64",
+    "--val-size",
+    "32",
+    "--batch-size",
+    "16",
+    "--epochs",
+    "1",
+    "--timeout",
+    "60",
+]
 
 
 def assert_trained(stdout: str, ranks: int) -> None:
@@ -42,8 +73,18 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
 def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, images):
     # 33 images per rank in batches of 32: the last batch would hold one image, and BatchNorm
     # fails on it in training ("Expected more than 1 value per channel"). Full batches only.
-    r = run(SCRIPT, *TINY[:-4], "--train-size", images, "--batch-size", "32", "--epochs", "2",
-            launcher=launcher, nproc=nproc).ok()
+    r = run(
+        SCRIPT,
+        *TINY[:-4],
+        "--train-size",
+        images,
+        "--batch-size",
+        "32",
+        "--epochs",
+        "2",
+        launcher=launcher,
+        nproc=nproc,
+    ).ok()
     assert f"on {nproc} x cpu (gloo)" in r.stdout
     assert f"global batch {32 * nproc} = {nproc} ranks x 32 x 1 accum; 2 steps" in r.stdout
     assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
@@ -55,11 +96,32 @@ def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, image
 # per epoch, 2 epochs: 4 optimizer steps, or 2 with --accum-steps 2. In float64: in float32
 # the step-1 weights agree to 1e-10, but over many steps a ReLU network amplifies the rounding
 # of a 6-sample mean vs. a mean of 3- or 2-sample means into differences up to 1e-2.
-EQUIV = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size", "12",
-         "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64", "--timeout", "60"]
+EQUIV = [
+    "--arch",
+    "resnet18",
+    "--norm",
+    "group",
+    "--image-size",
+    "16",
+    "--train-size",
+    "12",
+    "--val-size",
+    "0",
+    "--epochs",
+    "2",
+    "--lr",
+    "0.01",
+    "--float64",
+    "--timeout",
+    "60",
+]
 GLOBAL_BATCH = 6
-STATIC, FIND, VIEW, UNUSED = ("--static-graph", "--find-unused-parameters",
-                              "--gradient-as-bucket-view", "--unused-layer")
+STATIC, FIND, VIEW, UNUSED = (
+    "--static-graph",
+    "--find-unused-parameters",
+    "--gradient-as-bucket-view",
+    "--unused-layer",
+)
 SMALL_BUCKETS = ["--bucket-cap-mb", "1"]
 # The knobs that interact, each pair of them in at least one cell (pairwise coverage): DDP's
 # reducer takes all of them, and each changes when or where gradients are all-reduced. Every
@@ -82,13 +144,33 @@ def matrix(tmp_path_factory):
     folder = tmp_path_factory.mktemp("matrix")
     results = {}
     for accum in (1, 2):
-        r = forked(SCRIPT, *EQUIV, "--batch-size", GLOBAL_BATCH, "--accum-steps", accum,
-                   "--save-model", folder / f"ref{accum}.pt").ok()
-        results[f"ref{accum}"] = (r.stdout, torch.load(folder / f"ref{accum}.pt",
-                                                       weights_only=True))
+        r = forked(
+            SCRIPT,
+            *EQUIV,
+            "--batch-size",
+            GLOBAL_BATCH,
+            "--accum-steps",
+            accum,
+            "--save-model",
+            folder / f"ref{accum}.pt",
+        ).ok()
+        results[f"ref{accum}"] = (
+            r.stdout,
+            torch.load(folder / f"ref{accum}.pt", weights_only=True),
+        )
     for name, (nproc, accum, knobs) in MATRIX.items():
-        r = forked(SCRIPT, *EQUIV, "--batch-size", GLOBAL_BATCH // nproc, "--accum-steps", accum,
-                   *knobs, "--save-model", folder / f"{name}.pt", nproc=nproc).ok()
+        r = forked(
+            SCRIPT,
+            *EQUIV,
+            "--batch-size",
+            GLOBAL_BATCH // nproc,
+            "--accum-steps",
+            accum,
+            *knobs,
+            "--save-model",
+            folder / f"{name}.pt",
+            nproc=nproc,
+        ).ok()
         assert "FutureWarning" not in r.stderr  # e.g. a renamed argument
         results[name] = (r.stdout, torch.load(folder / f"{name}.pt", weights_only=True))
     return results
@@ -122,8 +204,20 @@ def test_bf16_autocast_on_cpu_trains_and_replicas_match():
     # 9e20 with ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16; once a suite run ended with a loss
     # that was not a number). With AVX2 the 40 are identical.
     # bf16 without AVX-512 is emulated: 10 s per step of 16 images at 16 px, so 4 per step
-    r = forked(SCRIPT, *TINY, "--amp", "bf16", "--train-size", 16, "--batch-size", 4,
-               "--val-size", 8, nproc=2, env={"ONEDNN_MAX_CPU_ISA": "AVX2"}).ok()
+    r = forked(
+        SCRIPT,
+        *TINY,
+        "--amp",
+        "bf16",
+        "--train-size",
+        16,
+        "--batch-size",
+        4,
+        "--val-size",
+        8,
+        nproc=2,
+        env={"ONEDNN_MAX_CPU_ISA": "AVX2"},
+    ).ok()
     assert re.search(r"summary: 2 steps, .* train loss [\d.]+ -> [\d.]+", r.stdout)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
@@ -137,8 +231,20 @@ def test_image_folder_training(tmp_path):
             (tmp_path / split / name).mkdir(parents=True)
             for i in range(count):
                 Image.new("RGB", (40 + i, 36), rgb).save(tmp_path / split / name / f"{i}.png")
-    r = forked(SCRIPT, "--data", tmp_path, "--image-size", "32", "--batch-size", "4",
-               "--epochs", "2", "--timeout", "60", nproc=2).ok()
+    r = forked(
+        SCRIPT,
+        "--data",
+        tmp_path,
+        "--image-size",
+        "32",
+        "--batch-size",
+        "4",
+        "--epochs",
+        "2",
+        "--timeout",
+        "60",
+        nproc=2,
+    ).ok()
     assert "(11,177,538 params, 2 classes)" in r.stdout
     assert "16 train / 6 val images" in r.stdout
     assert len(re.findall(r"on 6 images", r.stdout)) == 2
@@ -154,54 +260,87 @@ def test_train_and_val_with_different_classes_are_refused(tmp_path):
             (tmp_path / split / name).mkdir(parents=True)
             Image.new("RGB", (8, 8), (9, 9, 9)).save(tmp_path / split / name / "0.png")
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", "8", "--timeout", "30").failed()
-    assert (f"[rank 0] error: --data {tmp_path}: val's classes ['a', 'c'] differ from train's "
-            f"['a', 'b', 'c']; their labels would not match") in r.stderr, r
+    assert (
+        f"[rank 0] error: --data {tmp_path}: val's classes ['a', 'c'] differ from train's "
+        f"['a', 'b', 'c']; their labels would not match"
+    ) in r.stderr, r
     assert "Traceback" not in r.stderr
-    r = forked("05_eval_gather.py", "--data", tmp_path, "--image-size", "8",
-               "--timeout", "30").failed()
-    assert (f"[rank 0] error: --data {tmp_path}: the val folder's classes ['a', 'c'] differ "
-            f"from train's ['a', 'b', 'c']") in r.stderr, r
+    r = forked(
+        "05_eval_gather.py", "--data", tmp_path, "--image-size", "8", "--timeout", "30"
+    ).failed()
+    assert (
+        f"[rank 0] error: --data {tmp_path}: the val folder's classes ['a', 'c'] differ "
+        f"from train's ['a', 'b', 'c']"
+    ) in r.stderr, r
 
 
 def test_unusable_data_is_a_clear_error(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
     for args, message in [
-            (["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
-             "each rank's 64 image(s) make 2 full batch(es) of 32; a step takes 4"),
-            (["--train-size", "64", "--batch-size", "200000"],  # was "global batch 200000"
-             "each rank's 64 image(s) make 0 full batch(es) of 200000; a step takes 1"),
-            (["--train-size", "1"], "each rank's 1 image(s) make 0 full batch(es) of 128"),
-            (["--arch", "vit_b_16", "--image-size", "16"],  # was an AssertionError traceback
-             "--arch vit_b_16 cannot take 16 px images: Wrong image height! Expected 224 but "
-             "got 16!"),
-            (["--data", tmp_path], f"--data {tmp_path}: Couldn't find any class folder in "
-                                   f"{tmp_path}/train")]:
+        (
+            ["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
+            "each rank's 64 image(s) make 2 full batch(es) of 32; a step takes 4",
+        ),
+        (
+            ["--train-size", "64", "--batch-size", "200000"],  # was "global batch 200000"
+            "each rank's 64 image(s) make 0 full batch(es) of 200000; a step takes 1",
+        ),
+        (["--train-size", "1"], "each rank's 1 image(s) make 0 full batch(es) of 128"),
+        (
+            ["--arch", "vit_b_16", "--image-size", "16"],  # was an AssertionError traceback
+            "--arch vit_b_16 cannot take 16 px images: Wrong image height! Expected 224 but "
+            "got 16!",
+        ),
+        (
+            ["--data", tmp_path],
+            f"--data {tmp_path}: Couldn't find any class folder in {tmp_path}/train",
+        ),
+    ]:
         r = forked(SCRIPT, *args, "--timeout", "30").failed()
         assert f"[rank 0] error: {message}" in r.stderr
         assert "Traceback" not in r.stderr
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--data", "/nonexistent/imagenet"],
-     "--data /nonexistent/imagenet: expected folders /nonexistent/imagenet/train and"),
-    (["--save-model", "/proc/version/model.pt"],
-     "--save-model: cannot write /proc/version/model.pt: /proc/version: not a folder"),
-    (["--save-model", "/proc/no/such/model.pt"],  # refused as root too, where os.access lies
-     "--save-model: cannot write /proc/no/such/model.pt: /proc/no: No such file or directory"),
-    (["--save-model", "/tmp"], "--save-model: cannot write /tmp: it is a folder"),
-    (["--batch-size", "0"], "--batch-size: must be >= 1 and < 2**32, got 0"),
-    (["--accum-steps", "0"], "--accum-steps: must be >= 1 and < 2**32, got 0"),
-    (["--val-size", "-1"], "--val-size: must be >= 0 and < 2**32, got -1"),
-    (["--num-classes", "1"], "--num-classes: must be >= 2 and < 2**32, got 1"),  # was 100%
-    (["--seed", "-1"], "--seed: must be >= 0 and < 2**32, got -1"),
-    (["--seed", str(2**64)],  # was an overflow traceback from torch.manual_seed
-     f"--seed: must be >= 0 and < 2**32, got {2**64}"),
-    (["--lr", "nan"], "--lr, --bucket-cap-mb: must be > 0, got nan, 25"),
-    (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
-    (["--amp", "fp16"], "--amp fp16 needs CUDA"),
-    (["--sync-bn"], "--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (
+            ["--data", "/nonexistent/imagenet"],
+            "--data /nonexistent/imagenet: expected folders /nonexistent/imagenet/train and",
+        ),
+        (
+            ["--save-model", "/proc/version/model.pt"],
+            "--save-model: cannot write /proc/version/model.pt: /proc/version: not a folder",
+        ),
+        (
+            ["--save-model", "/proc/no/such/model.pt"],  # refused as root too, where os.access lies
+            "--save-model: cannot write /proc/no/such/model.pt: /proc/no: No such file or "
+            "directory",
+        ),
+        (["--save-model", "/tmp"], "--save-model: cannot write /tmp: it is a folder"),
+        (["--batch-size", "0"], "--batch-size: must be >= 1 and < 4294967296, got 0"),
+        (["--accum-steps", "0"], "--accum-steps: must be >= 1 and < 4294967296, got 0"),
+        (["--val-size", "-1"], "--val-size: must be >= 0 and < 4294967296, got -1"),
+        (["--num-classes", "1"], "--num-classes: must be >= 2 and < 4294967296, got 1"),  # was 100%
+        (["--seed", "-1"], "--seed: must be >= 0 and < 4294967296, got -1"),
+        (
+            ["--seed", str(2**64)],  # was an overflow traceback from torch.manual_seed
+            f"--seed: must be >= 0 and < 4294967296, got {2**64}",
+        ),
+        (["--lr", "nan"], "--lr: must be >= 0 and < 4294967296, got nan"),
+        (["--lr", "inf"], "--lr: must be >= 0 and < 4294967296, got inf"),  # trained to -inf
+        (["--weight-decay", "-1"], "--weight-decay: must be >= 0 and < 4294967296, got -1"),
+        (["--weight-decay", "nan"], "--weight-decay: must be >= 0 and < 4294967296, got nan"),
+        (["--bucket-cap-mb", "inf"], "--bucket-cap-mb: must be >= 0 and < 4294967296, got inf"),
+        (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
+        (["--amp", "fp16"], "--amp fp16 needs CUDA"),
+        (
+            ["--sync-bn"],
+            "--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group",
+        ),
+    ],
+)
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     if torch.cuda.is_available() and args[0] in ("--amp", "--sync-bn"):
         pytest.skip("CUDA is available here")
@@ -218,12 +357,27 @@ def test_a_diverging_run_stops_before_it_saves_anything(tmp_path):
     # --lr 1e6: the loss overflows within a few steps; the all-reduced loss is checked where
     # the log and the epoch end already reduce it, so every rank stops, before any save
     model = tmp_path / "model.pt"
-    r = forked(SCRIPT, *TINY, "--train-size", "256", "--lr", "1e6", "--log-every", "2",
-               "--save-model", model, nproc=2)  # 8 steps
+    r = forked(
+        SCRIPT,
+        *TINY,
+        "--train-size",
+        "256",
+        "--lr",
+        "1e6",
+        "--log-every",
+        "2",
+        "--save-model",
+        model,
+        nproc=2,
+    )  # 8 steps
     assert r.returncode == 1, r
     for rank in (0, 1):
-        assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
-                         r.stderr, re.M), r
+        assert re.search(
+            rf"^\[rank {rank}\] CHECK FAILED: finite loss: the loss is not finite at step \d+: "
+            rf"lower --lr$",
+            r.stderr,
+            re.M,
+        ), r
     assert "verified:" not in r.stdout and not model.exists()
 
 
@@ -233,8 +387,9 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     model = tmp_path / "model.pt"
     model.write_bytes(b"an earlier run's weights")
     r = run(SCRIPT, *TINY, "--save-model", model, file_size_kb=1024).failed()
-    assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {model}: File too "
-                                             f"large"], r
+    assert r.stderr.strip().splitlines() == [
+        f"[rank 0] error: cannot write {model}: File too large"
+    ], r
     assert model.read_bytes() == b"an earlier run's weights"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
 
@@ -242,11 +397,17 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
     # The most common DDP error. TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names;
     # --find-unused-parameters and --static-graph fix it (the matrix above trains with both).
-    r = forked(SCRIPT, *TINY, "--unused-layer", nproc=2,
-               env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}).failed()
+    r = forked(
+        SCRIPT, *TINY, "--unused-layer", nproc=2, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}
+    ).failed()
     for rank in (0, 1):
-        assert re.search(rf"^\[rank {rank}\] error: RuntimeError: Expected to have finished "
-                         r"reduction in the prior iteration before starting a new one", r.stderr,
-                         re.M), r.stderr
-        assert (f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
-                f"unused_layer.weight") in r.stderr
+        assert re.search(
+            rf"^\[rank {rank}\] error: RuntimeError: Expected to have finished "
+            r"reduction in the prior iteration before starting a new one",
+            r.stderr,
+            re.M,
+        ), r.stderr
+        assert (
+            f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
+            f"unused_layer.weight"
+        ) in r.stderr

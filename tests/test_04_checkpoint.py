@@ -18,8 +18,18 @@ SCRIPT = "04_checkpoint.py"
 # 512 samples in batches of 16: one process takes 32 steps per epoch, two take 16. Saves come
 # every 12 steps and at each epoch's end, so one process saves at 12, 24, 32, 36, 48, 60, 64
 # and two at 12, 16, 24, 32.
-SMALL = ("--train-size", 512, "--batch-size", 16, "--epochs", 2, "--save-every", 12,
-         "--timeout", 60)
+SMALL = (
+    "--train-size",
+    512,
+    "--batch-size",
+    16,
+    "--epochs",
+    2,
+    "--save-every",
+    12,
+    "--timeout",
+    60,
+)
 
 
 def write_sidecar(path) -> None:
@@ -30,8 +40,12 @@ def write_sidecar(path) -> None:
 
 def final_state(stdout: str) -> str:
     """The sha256 of the final weights and buffers, from the script's verified line."""
-    return re.search(r"^verified: \d+ rank\(s\) hold identical parameters and buffers "
-                     r"\([\d,]+ values, sha256 ([0-9a-f]{16})\)", stdout, re.M)[1]
+    return re.search(
+        r"^verified: \d+ rank\(s\) hold identical parameters and buffers "
+        r"\([\d,]+ values, sha256 ([0-9a-f]{16})\)",
+        stdout,
+        re.M,
+    )[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,15 +61,20 @@ def reference(tmp_path_factory):
             assert "verified: every epoch used each of the 512 samples once" in r.stdout
             done[nproc] = final_state(r.stdout), directory
         return done[nproc]
+
     return get
 
 
-@pytest.mark.parametrize("nproc, fail_at, resumed_at, epoch, done", [
-    (1, 34, 32, 1, 0),     # at an epoch boundary, one process
-    (2, 14, 12, 0, 384),   # mid-epoch, two ranks
-])  # and wherever a worker is killed from outside under torchrun, in the next test
+@pytest.mark.parametrize(
+    "nproc, fail_at, resumed_at, epoch, done",
+    [
+        (1, 34, 32, 1, 0),  # at an epoch boundary, one process
+        (2, 14, 12, 0, 384),  # mid-epoch, two ranks
+    ],
+)  # and wherever a worker is killed from outside under torchrun, in the next test
 def test_a_killed_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
-        tmp_path, reference, nproc, fail_at, resumed_at, epoch, done):
+    tmp_path, reference, nproc, fail_at, resumed_at, epoch, done
+):
     expected, _ = reference(nproc)
     args = (*SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", fail_at)
     # one process: a real `python 04_checkpoint.py`, killed; two: forked ranks (launch.forked)
@@ -65,18 +84,26 @@ def test_a_killed_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
     if nproc == 1:
         assert crashed.returncode == -9  # SIGKILL: no cleanup, like a machine that is gone
     resumed = forked(SCRIPT, *args, nproc=nproc).ok()
-    assert (f"resuming from {tmp_path}/step-{resumed_at:08d}.pt: epoch {epoch} with {done} of "
-            f"its 512 samples done, global step {resumed_at}") in resumed.stdout
+    assert (
+        f"resuming from {tmp_path}/step-{resumed_at:08d}.pt: epoch {epoch} with {done} of "
+        f"its 512 samples done, global step {resumed_at}"
+    ) in resumed.stdout
     assert "simulated failure" not in resumed.stdout  # the first attempt only
     assert final_state(resumed.stdout) == expected
 
 
 def test_torchrun_recovers_from_a_worker_killed_from_outside(tmp_path, tmp_path_factory):
     longer = (*SMALL[:4], "--epochs", 3, *SMALL[6:])  # 48 steps: time to kill in between
-    ref = forked(SCRIPT, *longer, "--checkpoint-dir", tmp_path_factory.mktemp("ref3"),
-                 nproc=2).ok()
-    job = Watched(SCRIPT, *longer, "--checkpoint-dir", tmp_path, launcher="torchrun", nproc=2,
-                  extra=("--max-restarts", 1))
+    ref = forked(SCRIPT, *longer, "--checkpoint-dir", tmp_path_factory.mktemp("ref3"), nproc=2).ok()
+    job = Watched(
+        SCRIPT,
+        *longer,
+        "--checkpoint-dir",
+        tmp_path,
+        launcher="torchrun",
+        nproc=2,
+        extra=("--max-restarts", 1),
+    )
     job.wait_for("saved step-00000012.pt")
     victims = job.pids_with_env("RANK", "1")
     assert len(victims) == 1, victims
@@ -100,14 +127,35 @@ def test_two_nodes_recover_when_only_one_agent_counts_the_restart(tmp_path):
     # count would then put the two ranks in different scopes: they never meet.
     # the uninterrupted reference: 2 ranks as 2 nodes of 1 (each node's ranks share its cores,
     # so the thread count, and with it the float rounding, depends on the node size)
-    reference = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path / "reference", nproc=2,
-                       nnodes=2).ok()
+    reference = forked(
+        SCRIPT, *SMALL, "--checkpoint-dir", tmp_path / "reference", nproc=2, nnodes=2
+    ).ok()
     expected = final_state(reference.stdout)
-    rdzv = ("--nnodes", 2, "--max-restarts", 1, "--rdzv-backend", "c10d", "--rdzv-id", "job",
-            "--rdzv-endpoint", f"127.0.0.1:{free_port()}")
+    rdzv = (
+        "--nnodes",
+        2,
+        "--max-restarts",
+        1,
+        "--rdzv-backend",
+        "c10d",
+        "--rdzv-id",
+        "job",
+        "--rdzv-endpoint",
+        f"127.0.0.1:{free_port()}",
+    )
     args = (*SMALL, "--checkpoint-dir", tmp_path / "job")
-    jobs = [Watched(SCRIPT, *args, launcher="agent", nproc=1, extra=rdzv, timeout=180,
-                    env={"LOGLEVEL": "INFO"}) for _ in range(2)]
+    jobs = [
+        Watched(
+            SCRIPT,
+            *args,
+            launcher="agent",
+            nproc=1,
+            extra=rdzv,
+            timeout=180,
+            env={"LOGLEVEL": "INFO"},
+        )
+        for _ in range(2)
+    ]
     node0 = wait_for_any(jobs, "saved step-00000012.pt")
     node1 = jobs[1 - jobs.index(node0)]
     [rank0], [rank1] = node0.pids_with_env("RANK", "0"), node1.pids_with_env("RANK", "1")
@@ -130,16 +178,21 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     shutil.copytree(finished, directory)
     names = sorted(p.name for p in directory.glob("step-*"))
     assert names == [f"step-{s:08d}.pt{x}" for s in (48, 60, 64) for x in ("", ".sha256")]
-    check = subprocess.run(["sha256sum", "-c", *sorted(p.name for p in
-                                                       directory.glob("*.sha256"))],
-                           cwd=directory, capture_output=True, text=True)
+    check = subprocess.run(
+        ["sha256sum", "-c", *sorted(p.name for p in directory.glob("*.sha256"))],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+    )
     assert check.stdout.count(": OK") == 3  # the sidecars are plain sha256sum files
     newest = directory / "step-00000064.pt"
     data = newest.read_bytes()
-    newest.write_bytes(data[:len(data) // 2])
+    newest.write_bytes(data[: len(data) // 2])
     r = forked(SCRIPT, *SMALL, "--checkpoint-dir", directory).ok()
-    assert (f"WARNING: step-00000064.pt is unreadable (sha256 mismatch ({len(data) // 2} bytes): "
-            f"truncated or corrupted)") in r.stderr
+    assert (
+        f"WARNING: step-00000064.pt is unreadable (sha256 mismatch ({len(data) // 2} bytes): "
+        f"truncated or corrupted)"
+    ) in r.stderr
     assert f"resuming from {directory}/step-00000060.pt: epoch 1 with 448 of" in r.stdout
     assert (directory / "step-00000064.pt.unreadable").exists()
     assert final_state(r.stdout) == expected
@@ -153,14 +206,18 @@ def test_a_directory_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     torch.save({"weights": torch.zeros(3)}, foreign)
     write_sidecar(foreign)
     r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).failed()
-    reasons = ("step-00000030.pt: not a checkpoint of this script (no args, epoch, model, "
-               "optimizer, position, rng, scaler, scheduler, seen, step, world_size); "
-               "step-00000020.pt: no step-00000020.pt.sha256: the save did not finish; "
-               "step-00000010.pt: sha256 mismatch (14 bytes): truncated or corrupted")
+    reasons = (
+        "step-00000030.pt: not a checkpoint of this script (no args, epoch, model, "
+        "optimizer, position, rng, scaler, scheduler, seen, step, world_size); "
+        "step-00000020.pt: no step-00000020.pt.sha256: the save did not finish; "
+        "step-00000010.pt: sha256 mismatch (14 bytes): truncated or corrupted"
+    )
     # every rank reaches the same verdict
     assert re.search(r"\[rank 0\] error: ", r.stderr) and re.search(r"\[rank 1\] error: ", r.stderr)
-    assert (f"] error: {tmp_path} holds 3 checkpoint(s) and none is readable ({reasons}). "
-            f"Move them away to start over") in r.stderr
+    assert (
+        f"] error: {tmp_path} holds 3 checkpoint(s) and none is readable ({reasons}). "
+        f"Move them away to start over"
+    ) in r.stderr
     assert "step 0" not in r.stdout  # it did not start from scratch
 
 
@@ -169,10 +226,17 @@ def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference)
     # "verified". Rank 0 holds a lock on DIR/.lock for its job's life.
     first = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path)
     first.wait_for("saved step-00000012.pt")  # the first job is under way
-    second = forked(SCRIPT, *SMALL, "--seed", 1, "--checkpoint-dir", tmp_path, nproc=2).failed()
+    os.kill(first.proc.pid, signal.SIGSTOP)  # and stays so, however fast this machine is
+    try:
+        second = forked(SCRIPT, *SMALL, "--seed", 1, "--checkpoint-dir", tmp_path, nproc=2)
+    finally:
+        os.kill(first.proc.pid, signal.SIGCONT)
+    second.failed()
     for rank in (0, 1):
-        assert (f"[rank {rank}] error: another job holds {tmp_path}/.lock: use another "
-                f"--checkpoint-dir, or wait") in second.stderr, second
+        assert (
+            f"[rank {rank}] error: another job holds {tmp_path}/.lock: use another "
+            f"--checkpoint-dir, or wait"
+        ) in second.stderr, second
     expected, _ = reference(1)
     assert final_state(first.finish().ok().stdout) == expected  # untouched by the second
     # once the first has ended, the lock is free: the same command resumes (nothing to do)
@@ -181,8 +245,7 @@ def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference)
 
 
 def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
-    forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14,
-           nproc=3).failed()
+    forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, "--simulate-failure", 14, nproc=3).failed()
     # Left: step 12 by three ranks. Epoch 0 took 11 steps (171 = 513 / 3 per rank, one padding
     # repeat); step 12 is epoch 1's first, 48 of 512 samples. Go on with two: 464 left, 232
     # per rank, 15 steps (the last one of 8), so epoch 1 ends at step 27.
@@ -196,11 +259,14 @@ def test_resuming_on_another_world_size_still_uses_each_sample_once(tmp_path):
 def test_a_checkpoint_from_other_settings_is_refused(tmp_path, reference):
     _, finished = reference(1)
     shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
-    r = forked(SCRIPT, *SMALL[:2], "--batch-size", 8, *SMALL[4:], "--checkpoint-dir",
-               tmp_path).failed()
-    assert (f"error: {tmp_path}/step-00000064.pt was written with different settings "
-            f"(--batch-size 16 there, 8 here); resume with the same values or use another "
-            f"--checkpoint-dir") in r.stderr
+    r = forked(
+        SCRIPT, *SMALL[:2], "--batch-size", 8, *SMALL[4:], "--checkpoint-dir", tmp_path
+    ).failed()
+    assert (
+        f"error: {tmp_path}/step-00000064.pt was written with different settings "
+        f"(--batch-size 16 there, 8 here); resume with the same values or use another "
+        f"--checkpoint-dir"
+    ) in r.stderr
 
 
 def test_an_unwritable_checkpoint_dir_stops_every_rank_before_training(tmp_path):
@@ -208,18 +274,23 @@ def test_an_unwritable_checkpoint_dir_stops_every_rank_before_training(tmp_path)
     blocker.write_text("")
     r = forked(SCRIPT, *SMALL, "--checkpoint-dir", blocker / "ckpt", nproc=2).failed()
     for rank in (0, 1):
-        assert re.search(rf"\[rank {rank}\] error: checkpoint directory {blocker}/ckpt is not "
-                         rf"writable: \[Errno 20\] Not a directory", r.stderr), r
+        assert re.search(
+            rf"\[rank {rank}\] error: checkpoint directory {blocker}/ckpt is not "
+            rf"writable: \[Errno 20\] Not a directory",
+            r.stderr,
+        ), r
     assert "step " not in r.stdout
 
 
 def test_bad_arguments_are_usage_errors(capsys):
     module = load_script(SCRIPT)
     for argv, message in [
-            (["--save-every", "0"], "--save-every: must be >= 1 and < 2**32, got 0"),
-            (["--keep", "-1"], "--keep: must be >= 1 and < 2**32, got -1"),
-            (["--seed", str(2**64)], f"--seed: must be >= 0 and < 2**32, got {2**64}"),
-            (["--lr", "0"], "--lr: must be > 0, got 0.0")]:
+        (["--save-every", "0"], "--save-every: must be >= 1 and < 4294967296, got 0"),
+        (["--keep", "-1"], "--keep: must be >= 1 and < 4294967296, got -1"),
+        (["--seed", str(2**64)], f"--seed: must be >= 0 and < 4294967296, got {2**64}"),
+        (["--lr", "-1"], "--lr: must be >= 0 and < 4294967296, got -1"),
+        (["--weight-decay", "nan"], "--weight-decay: must be >= 0 and < 4294967296, got nan"),
+    ]:
         with pytest.raises(SystemExit) as e:
             module.parse_args(argv)
         assert e.value.code == 2
@@ -231,15 +302,30 @@ def test_bad_arguments_are_usage_errors(capsys):
 
 
 def test_a_diverging_run_stops_before_saving_a_non_finite_checkpoint(tmp_path):
-    # AdamW at lr 1e30: the loss overflows at once; it is checked where it is all-reduced,
+    # AdamW at lr 1e9: the loss overflows at once; it is checked where it is all-reduced,
     # before each save, so no checkpoint with NaN weights is written (or prunes a good one)
-    r = forked(SCRIPT, *SMALL[:6], "--save-every", 2, "--lr", "1e30", "--timeout", 60,
-               "--checkpoint-dir", tmp_path, nproc=2)
+    r = forked(
+        SCRIPT,
+        *SMALL[:6],
+        "--save-every",
+        2,
+        "--lr",
+        "1e9",
+        "--timeout",
+        60,
+        "--checkpoint-dir",
+        tmp_path,
+        nproc=2,
+    )
     assert r.returncode == 1, r
     for rank in (0, 1):
-        assert re.search(rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$",
-                         r.stderr, re.M), r
-    assert not list(tmp_path.glob("step-*")) and "verified" not in r.stdout
+        assert re.search(
+            rf"^\[rank {rank}\] error: loss is not finite at step \d+; lower --lr$", r.stderr, re.M
+        ), r
+    assert "verified" not in r.stdout
+    for saved in tmp_path.glob("step-*.pt"):  # those written before it diverged: finite
+        model = torch.load(saved, weights_only=True)["model"]
+        assert all(t.isfinite().all() for t in model.values() if t.is_floating_point()), saved
 
 
 def test_without_restarts_the_agents_store_stays(monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -15,14 +16,28 @@ results: dict = {}
 
 
 def outputs(folder, n):
-    return ["--val-size", n, "--metrics-json", folder / f"metrics{n}.json", "--predictions",
-            folder / f"predictions{n}.csv", *COMMON]
+    return [
+        "--val-size",
+        n,
+        "--metrics-json",
+        folder / f"metrics{n}.json",
+        "--predictions",
+        folder / f"predictions{n}.csv",
+        *COMMON,
+    ]
 
 
-@pytest.mark.parametrize("launcher, w, n", [  # forked: launch.forked
-    ("forked", 1, 103), ("spawn", 2, 103), ("forked", 3, 103), ("forked", 4, 103),
-    ("forked", 1, 3), ("forked", 4, 3),
-])
+@pytest.mark.parametrize(
+    "launcher, w, n",
+    [  # forked: launch.forked
+        ("forked", 1, 103),
+        ("spawn", 2, 103),
+        ("forked", 3, 103),
+        ("forked", 4, 103),
+        ("forked", 1, 3),
+        ("forked", 4, 3),
+    ],
+)
 def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
     folder = tmp_path
     stdout = run(SCRIPT, *outputs(folder, n), launcher=launcher, nproc=w).ok().stdout
@@ -33,14 +48,17 @@ def test_metrics_equal_one_process_evaluation(launcher, w, n, tmp_path):
     assert sum(metrics["per_class_correct"]) == metrics["correct"]
     assert predictions.splitlines()[0] == "index,label,prediction"
     assert [int(line.split(",")[0]) for line in predictions.splitlines()[1:]] == list(range(n))
-    assert stdout.strip().splitlines()[-1] == \
-        f"verified: {n} samples counted once, all_gather agrees with all_reduce"
+    assert (
+        stdout.strip().splitlines()[-1]
+        == f"verified: {n} samples counted once, all_gather agrees with all_reduce"
+    )
     if w == 1:
         results[n] = (metrics, predictions)
         return
     alone, alone_predictions = results[n]  # the one-process run of the same set, above
-    assert {k: v for k, v in metrics.items() if k != "loss"} == \
-        {k: v for k, v in alone.items() if k != "loss"}
+    assert {k: v for k, v in metrics.items() if k != "loss"} == {
+        k: v for k, v in alone.items() if k != "loss"
+    }
     assert metrics["loss"] == pytest.approx(alone["loss"], abs=1e-6)
     assert predictions == alone_predictions
     padded = w * -(-n // w)
@@ -52,17 +70,34 @@ def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
     # statistics, so 03 must evaluate with rank 0's, the ones it saves, for its printed
     # figures to be those of the saved model
     checkpoint = tmp_path / "model.pt"
-    trained = forked("03_ddp_train.py", "--image-size", "16", "--train-size", "96",
-                     "--val-size", "50", "--batch-size", "16", "--epochs", "1",
-                     "--save-model", checkpoint, nproc=2).ok()
+    trained = forked(
+        "03_ddp_train.py",
+        "--image-size",
+        "16",
+        "--train-size",
+        "96",
+        "--val-size",
+        "50",
+        "--batch-size",
+        "16",
+        "--epochs",
+        "1",
+        "--save-model",
+        checkpoint,
+        nproc=2,
+    ).ok()
     reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 50 images", trained.stdout)
-    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON,
-               nproc=3).ok()
+    r = forked(
+        SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, "--verify", *COMMON, nproc=3
+    ).ok()
     mine = re.search(r"exact:  accuracy \d+/50 = ([\d.]+)%  loss ([\d.]+)", r.stdout)
     assert float(mine[1]) == pytest.approx(float(reported[2]), abs=0.05)  # same 50 images
     assert float(mine[2]) == pytest.approx(float(reported[1]), abs=6e-5)  # 03 prints 4 digits
-    assert r.stdout.strip().splitlines()[-1].endswith(
-        "identical to a one-process evaluation (counts exact, loss within 1e-6)")
+    assert (
+        r.stdout.strip()
+        .splitlines()[-1]
+        .endswith("identical to a one-process evaluation (counts exact, loss within 1e-6)")
+    )
 
 
 def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
@@ -72,9 +107,10 @@ def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
     text.write_text("not a checkpoint, just a few bytes of text\n")
     torch.save(torch.zeros(3), tensor)
     for path, message in [
-            ("/nonexistent/model.pt", "--checkpoint /nonexistent/model.pt: no such file"),
-            (text, f"--checkpoint {text}: torch.load cannot read it ("),
-            (tensor, f"--checkpoint {tensor}: not a state_dict (a dict of tensors)")]:
+        ("/nonexistent/model.pt", "--checkpoint /nonexistent/model.pt: no such file"),
+        (text, f"--checkpoint {text}: torch.load cannot read it ("),
+        (tensor, f"--checkpoint {tensor}: not a state_dict (a dict of tensors)"),
+    ]:
         r = forked(SCRIPT, "--checkpoint", path, "--val-size", 8, *COMMON).failed()
         assert f"[rank 0] error: {message}" in r.stderr
         assert "Traceback" not in r.stderr
@@ -87,16 +123,43 @@ def test_checkpoint_with_other_class_count_names_the_mismatch(tmp_path):
     checkpoint = tmp_path / "five.pt"
     torch.save(torchvision.models.get_model("resnet18", num_classes=5).state_dict(), checkpoint)
     r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, *COMMON).failed()
-    assert (f"[rank 0] error: --checkpoint {checkpoint} does not fit --arch resnet18 with 10 "
-            f"classes: fc.weight is (5, 512) in the file, (10, 512) in the model") in r.stderr
+    assert (
+        f"[rank 0] error: --checkpoint {checkpoint} does not fit --arch resnet18 with 10 "
+        f"classes: fc.weight is (5, 512) in the file, (10, 512) in the model"
+    ) in r.stderr
 
 
 def test_both_outputs_to_one_file_is_a_usage_error(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_:
-        load_script(SCRIPT).parse_args(["--metrics-json", str(tmp_path / "out"),
-                                        "--predictions", str(tmp_path / "." / "out")])
+        load_script(SCRIPT).parse_args(
+            ["--metrics-json", str(tmp_path / "out"), "--predictions", str(tmp_path / "." / "out")]
+        )
     assert exit_.value.code == 2
-    assert "--metrics-json and --predictions name the same file" in capsys.readouterr().err
+    message = (
+        f"--predictions {tmp_path}/out is the file --metrics-json names: it would be overwritten"
+    )
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("spelling", ["./victim.pt", "link.pt", "hard.pt"])
+def test_an_output_that_is_the_evaluated_checkpoint_is_refused(
+    spelling, tmp_path, monkeypatch, capsys
+):
+    # It was overwritten: a 44.8 MB model became a 461-byte CSV, and the run said "verified".
+    monkeypatch.chdir(tmp_path)
+    victim = tmp_path / "victim.pt"
+    victim.write_bytes(b"a trained model")
+    (tmp_path / "link.pt").symlink_to(victim)
+    os.link(victim, tmp_path / "hard.pt")
+    for option in ("--predictions", "--metrics-json"):
+        with pytest.raises(SystemExit) as exit_:
+            load_script(SCRIPT).parse_args(["--checkpoint", "victim.pt", option, spelling])
+        assert exit_.value.code == 2
+        assert (
+            f"{option} {spelling.removeprefix('./')} is the file --checkpoint names: it "
+            f"would be overwritten"
+        ) in capsys.readouterr().err
+    assert victim.read_bytes() == b"a trained model"
 
 
 def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path):
@@ -104,18 +167,26 @@ def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path)
     # The predictions of 256 images are about 3 KB; written in place they were left truncated.
     predictions = tmp_path / "pred.csv"
     predictions.write_text("an earlier run's predictions\n")
-    r = run(SCRIPT, "--val-size", 256, "--predictions", predictions, *COMMON,
-            file_size_kb=1).failed()
-    assert r.stderr.strip().splitlines() == [f"[rank 0] error: cannot write {predictions}: File "
-                                             f"too large"], r
+    r = run(
+        SCRIPT, "--val-size", 256, "--predictions", predictions, *COMMON, file_size_kb=1
+    ).failed()
+    assert r.stderr.strip().splitlines() == [
+        f"[rank 0] error: cannot write {predictions}: File too large"
+    ], r
     assert predictions.read_text() == "an earlier run's predictions\n"
     assert [p.name for p in tmp_path.iterdir()] == ["pred.csv"]  # no temporary file left
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--val-size", "0"], "--val-size: must be >= 1, got 0"),
-    (["--seed", str(2**64)], f"--seed: must be >= 0 and < 2**32, got {2**64}"),  # overflowed
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--val-size", "0"], "--val-size: must be >= 1 and < 4294967296, got 0"),
+        (
+            ["--seed", str(2**64)],
+            f"--seed: must be >= 0 and < 4294967296, got {2**64}",
+        ),  # overflowed
+    ],
+)
 def test_out_of_range_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         load_script(SCRIPT).parse_args(args)
@@ -131,9 +202,10 @@ def test_a_model_with_nan_weights_is_named_as_the_cause(tmp_path):
     weights["fc.weight"][0, 0] = float("nan")
     checkpoint = tmp_path / "nan.pt"
     torch.save(weights, checkpoint)
-    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, "--verify", *COMMON,
-               nproc=2)
+    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 8, "--verify", *COMMON, nproc=2)
     assert r.returncode == 1, r
     for rank in (0, 1):
-        assert (f"[rank {rank}] error: the loss is not finite: the model's weights hold NaN or "
-                f"inf ({checkpoint})") in r.stderr, r
+        assert (
+            f"[rank {rank}] error: the loss is not finite: the model's weights hold NaN or "
+            f"inf ({checkpoint})"
+        ) in r.stderr, r

@@ -16,14 +16,31 @@ def weight(stdout: str) -> float:
     return float(re.search(r"hold identical weights \((-?[\d.]+)\)", stdout)[1])
 
 
-@pytest.mark.parametrize("launcher, counts, divide", [  # forked: launch.forked
-    ("forked", "6,3,0", "--divide-by-initial-world-size"),
-    ("spawn", "2,5", "--no-divide-by-initial-world-size"),
-])
+@pytest.mark.parametrize(
+    "launcher, counts, divide",
+    [  # forked: launch.forked
+        ("forked", "6,3,0", "--divide-by-initial-world-size"),
+        ("spawn", "2,5", "--no-divide-by-initial-world-size"),
+    ],
+)
 def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, divide):
     n = [int(c) for c in counts.split(",")]
-    stdout = run(SCRIPT, "--mode", "join", "--batches-per-rank", counts, divide,
-                 "--timeout", 30, launcher=launcher, nproc=len(n)).ok().stdout
+    stdout = (
+        run(
+            SCRIPT,
+            "--mode",
+            "join",
+            "--batches-per-rank",
+            counts,
+            divide,
+            "--timeout",
+            30,
+            launcher=launcher,
+            nproc=len(n),
+        )
+        .ok()
+        .stdout
+    )
     assert "steps per rank: " + ", ".join(f"{i}: {c}" for i, c in enumerate(n)) in stdout
     assert f"{sum(n)} gradients and the final weight match the closed form" in stdout
     # Independently: rank r feeds r + 1, so a step's gradient is the sum of batch * (r + 1)
@@ -32,21 +49,39 @@ def test_join_trains_through_and_gradients_match_the_formula(launcher, counts, d
     w = torch.nn.Linear(1, 1, bias=False).weight.item()
     for step in range(max(n)):
         active = [rank for rank, c in enumerate(n) if c > step]
-        w -= 0.01 * sum(2 * (rank + 1) for rank in active) / (
-            len(n) if divide.startswith("--divide") else len(active))
+        w -= (
+            0.01
+            * sum(2 * (rank + 1) for rank in active)
+            / (len(n) if divide.startswith("--divide") else len(active))
+        )
     assert weight(stdout) == pytest.approx(w, abs=2e-6)
 
 
 def test_generic_join_shadows_a_custom_joinable():
-    stdout = forked(SCRIPT, "--mode", "join-counter", "--batches-per-rank", "4,1,0",
-                    "--batch-size", 3, "--timeout", 30, nproc=3).ok().stdout
+    stdout = (
+        forked(
+            SCRIPT,
+            "--mode",
+            "join-counter",
+            "--batches-per-rank",
+            "4,1,0",
+            "--batch-size",
+            3,
+            "--timeout",
+            30,
+            nproc=3,
+        )
+        .ok()
+        .stdout
+    )
     assert "the SampleCounter counted 15 samples on every rank" in stdout
     assert "5 gradients and the final weight match the closed form" in stdout
 
 
 def test_throw_stops_every_rank_at_the_shortest_length():
-    r = forked(SCRIPT, "--mode", "throw", "--batches-per-rank", "5,2,4", "--timeout", 30,
-               nproc=3).ok()
+    r = forked(
+        SCRIPT, "--mode", "throw", "--batches-per-rank", "5,2,4", "--timeout", 30, nproc=3
+    ).ok()
     assert "rank 0 caught: Detected at least one rank that exhausted inputs." in r.stdout
     assert "steps per rank: 0: 2, 1: 2, 2: 2" in r.stdout
     assert r.stdout.strip().endswith("all ranks stopped after 2 step(s)")
@@ -57,18 +92,37 @@ def test_throw_stops_every_rank_at_the_shortest_length():
     assert "6 gradients and the final weight match the closed form" in r.stdout
 
 
-@pytest.mark.parametrize("mode, counts, bad", [
-    ("join", "5,2,4", "2:1"),          # rank 2's loss at step 1, while all three are active
-    ("join-counter", "2,5,0,4", "1:3"),  # at step 3: ranks 1, 3 active, 0 and 2 joined
-])
+@pytest.mark.parametrize(
+    "mode, counts, bad",
+    [
+        ("join", "5,2,4", "2:1"),  # rank 2's loss at step 1, while all three are active
+        ("join-counter", "2,5,0,4", "1:3"),  # at step 3: ranks 1, 3 active, 0 and 2 joined
+    ],
+)
 def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad):
     n = [int(c) for c in counts.split(",")]
     bad_rank, bad_step = map(int, bad.split(":"))
-    stdout = forked(SCRIPT, "--mode", mode, "--batches-per-rank", counts, "--nonfinite-at", bad,
-                    "--timeout", 30, nproc=len(n)).ok().stdout
+    stdout = (
+        forked(
+            SCRIPT,
+            "--mode",
+            mode,
+            "--batches-per-rank",
+            counts,
+            "--nonfinite-at",
+            bad,
+            "--timeout",
+            30,
+            nproc=len(n),
+        )
+        .ok()
+        .stdout
+    )
     active = [rank for rank, c in enumerate(n) if c > bad_step]
-    assert (f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
-            f"{len(active)} active ranks, its update left out") in stdout
+    assert (
+        f"step {bad_step} (rank {bad_rank}'s loss not finite) skipped on all "
+        f"{len(active)} active ranks, its update left out"
+    ) in stdout
     # every active rank's gradient was checked on every step but the skipped one
     assert f"{sum(n) - len(active)} gradients and the final weight match" in stdout
     torch.manual_seed(0)
@@ -83,20 +137,29 @@ def test_a_nonfinite_loss_is_skipped_by_every_rank_together(mode, counts, bad):
 
 
 def test_without_join_the_uneven_end_is_named_on_every_rank():
-    r = forked(SCRIPT, "--mode", "no-join", "--batches-per-rank", "4,2,4", "--timeout", 30,
-               nproc=3).failed()
+    r = forked(
+        SCRIPT, "--mode", "no-join", "--batches-per-rank", "4,2,4", "--timeout", 30, nproc=3
+    ).failed()
     for rank in range(3):
-        assert re.search(rf"^\[rank {rank}\] error: uneven inputs without join: at step 2 ranks "
-                         r"\[1\] have no batch left and ranks \[0, 2\] are still training; "
-                         r".*Use model\.join\(\) \(--mode join\)", r.stderr, re.M), r
+        assert re.search(
+            rf"^\[rank {rank}\] error: uneven inputs without join: at step 2 ranks "
+            r"\[1\] have no batch left and ranks \[0, 2\] are still training; "
+            r".*Use model\.join\(\) \(--mode join\)",
+            r.stderr,
+            re.M,
+        ), r
     assert r.seconds < 20  # named at once, not after --timeout
 
 
 def test_mismatched_collectives_are_reported_on_every_rank():
     r = forked(SCRIPT, "--mode", "mismatch", "--timeout", 30, nproc=3).failed()
     for rank in range(3):
-        report = re.search(rf"^\[rank {rank}\] Detected mismatch between collectives on ranks\. "
-                           rf"Rank {rank} is running collective: .*$", r.stderr, re.M)
+        report = re.search(
+            rf"^\[rank {rank}\] Detected mismatch between collectives on ranks\. "
+            rf"Rank {rank} is running collective: .*$",
+            r.stderr,
+            re.M,
+        )
         assert report, r
         assert "OpType=ALLREDUCE" in report[0]
         assert ("TensorShape=[3]" if rank == 0 else "TensorShape=[2]") in report[0]
@@ -106,22 +169,42 @@ def test_mismatched_collectives_are_reported_on_every_rank():
 
 def test_saved_model_holds_the_verified_weight(tmp_path):
     path = tmp_path / "out" / "model.pt"
-    r = forked(SCRIPT, "--mode", "join", "--batches-per-rank", "3,1", "--save-model", path,
-               "--timeout", 30, nproc=2).ok()
+    r = forked(
+        SCRIPT,
+        "--mode",
+        "join",
+        "--batches-per-rank",
+        "3,1",
+        "--save-model",
+        path,
+        "--timeout",
+        30,
+        nproc=2,
+    ).ok()
     state = torch.load(path, weights_only=True)
     assert list(state) == ["0.weight"]  # model.module's keys: no "module." prefix
     assert state["0.weight"].item() == pytest.approx(weight(r.stdout), abs=1e-6)
     assert f"rank 0 saved the weights to {path}" in r.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--nonfinite-at", "1"], "expected RANK:STEP like 1:2"),
-    (["--mode", "throw", "--nonfinite-at", "0:1"], "works with --mode join or join-counter"),
-    (["--nonfinite-at", "0:1", "--no-divide-by-initial-world-size"],
-     "--nonfinite-at needs --divide-by-initial-world-size"),
-    (["--seed", str(2**64)],  # overflowed in torch.manual_seed
-     f"--batch-size must be >= 1, --lr > 0, --seed in [0, 2**32); got 2, 0.01, {2**64}"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--nonfinite-at", "1"], "--nonfinite-at: expected RANK:STEP, got 1"),
+        (["--nonfinite-at", "1:x"], "--nonfinite-at: expected numbers joined by :, got 1:x"),
+        (["--batches-per-rank", "6,100000000"], "must be >= 0 and < 10001, got 100000000"),
+        (["--lr", "inf"], "--lr: must be >= 0 and < 4294967296, got inf"),
+        (["--mode", "throw", "--nonfinite-at", "0:1"], "works with --mode join or join-counter"),
+        (
+            ["--nonfinite-at", "0:1", "--no-divide-by-initial-world-size"],
+            "--nonfinite-at needs --divide-by-initial-world-size",
+        ),
+        (
+            ["--seed", str(2**64)],  # overflowed in torch.manual_seed
+            f"--seed: must be >= 0 and < 4294967296, got {2**64}",
+        ),
+    ],
+)
 def test_bad_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
         load_script(SCRIPT).parse_args(args)

@@ -21,26 +21,41 @@ import torch
 from launch import run
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU: NCCL runs on GPUs only")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU: NCCL runs on GPUs only"),
+]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
 NCCL = ("--timeout", "120")  # with CUDA visible, every script picks NCCL
 VERIFIED_03 = re.compile(r"^verified: (\d+) rank\(s\) hold identical parameters", re.M)
-FINAL_04 = re.compile(r"^verified: \d+ rank\(s\) hold identical parameters and buffers "
-                      r"\([\d,]+ values, sha256 ([0-9a-f]{16})\)", re.M)
+FINAL_04 = re.compile(
+    r"^verified: \d+ rank\(s\) hold identical parameters and buffers "
+    r"\([\d,]+ values, sha256 ([0-9a-f]{16})\)",
+    re.M,
+)
 
 
 def gpu_run(script: str, *args, nproc: int = GPUS, **kwargs):
-    return run(script, *args, *NCCL, launcher="torchrun", nproc=nproc, gpu=True,
-               timeout=kwargs.pop("timeout", 300), **kwargs)
+    return run(
+        script,
+        *args,
+        *NCCL,
+        launcher="torchrun",
+        nproc=nproc,
+        gpu=True,
+        timeout=kwargs.pop("timeout", 300),
+        **kwargs,
+    )
 
 
 def test_01_every_rank_binds_its_local_gpu_and_collectives_hold():
     r = gpu_run("01_init_methods.py", "--backend", "nccl").ok()
-    devices = re.findall(r"^\s*(\d+)\s+(\d+)\s+\d+\s+\d+\s+\S+\s+\d+\s+nccl\s+(\S+)\s*$",
-                         r.stdout, re.M)
-    assert [(int(rank), dev) for rank, _, dev in devices] == \
-        [(i, f"cuda:{i}") for i in range(GPUS)], r
+    devices = re.findall(
+        r"^\s*(\d+)\s+(\d+)\s+\d+\s+\d+\s+\S+\s+\d+\s+nccl\s+(\S+)\s*$", r.stdout, re.M
+    )
+    assert [(int(rank), dev) for rank, _, dev in devices] == [
+        (i, f"cuda:{i}") for i in range(GPUS)
+    ], r
     assert r.stdout.strip().splitlines()[-1].startswith(f"verified: {GPUS} rank(s) joined")
 
 
@@ -52,8 +67,22 @@ def test_02_pinned_loader_with_workers_shards_exactly():
 def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match():
     # 512 W images in batches of 64 per GPU: 8 steps per epoch at any W, the same one-cycle
     # learning rates (at 1024 images, 8 GPUs had 2 steps per epoch and the loss test failed)
-    r = gpu_run("03_ddp_train.py", "--amp", "fp16", "--sync-bn", "--train-size", 512 * GPUS,
-                "--val-size", 256, "--batch-size", 64, "--epochs", 2, "--workers", 2).ok()
+    r = gpu_run(
+        "03_ddp_train.py",
+        "--amp",
+        "fp16",
+        "--sync-bn",
+        "--train-size",
+        512 * GPUS,
+        "--val-size",
+        256,
+        "--batch-size",
+        64,
+        "--epochs",
+        2,
+        "--workers",
+        2,
+    ).ok()
     assert f"on {GPUS} x cuda (nccl)" in r.stdout
     loss = re.search(r"train loss ([\d.]+) -> ([\d.]+)", r.stdout)
     assert float(loss[2]) < 0.7 * float(loss[1]), r
@@ -63,12 +92,37 @@ def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match():
 def one_gpu_then_two(tmp_path, train_size: int, *two_gpu_args, timeout: float = 300):
     """One GPU with batch 12, then two with 6 each (two_gpu_args: the second run's own
     options), float64 GroupNorm resnet18: the second run and the largest weight difference."""
-    common = ["--arch", "resnet18", "--norm", "group", "--image-size", "16", "--train-size",
-              train_size, "--val-size", "0", "--epochs", "2", "--lr", "0.01", "--float64"]
-    gpu_run("03_ddp_train.py", *common, "--batch-size", 12, "--save-model", tmp_path / "one.pt",
-            nproc=1).ok()
-    r = gpu_run("03_ddp_train.py", *common, "--batch-size", 6, *two_gpu_args, "--save-model",
-                tmp_path / "two.pt", nproc=2, timeout=timeout).ok()
+    common = [
+        "--arch",
+        "resnet18",
+        "--norm",
+        "group",
+        "--image-size",
+        "16",
+        "--train-size",
+        train_size,
+        "--val-size",
+        "0",
+        "--epochs",
+        "2",
+        "--lr",
+        "0.01",
+        "--float64",
+    ]
+    gpu_run(
+        "03_ddp_train.py", *common, "--batch-size", 12, "--save-model", tmp_path / "one.pt", nproc=1
+    ).ok()
+    r = gpu_run(
+        "03_ddp_train.py",
+        *common,
+        "--batch-size",
+        6,
+        *two_gpu_args,
+        "--save-model",
+        tmp_path / "two.pt",
+        nproc=2,
+        timeout=timeout,
+    ).ok()
     one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("one", "two"))
     return r, max((one[k] - two[k]).abs().max().item() for k in one)
 
@@ -83,9 +137,19 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl():
     # On Gloo (CUDA build, no GPU) DETAIL crashes DDP's constructor in torch 2.14.1; the CPU
     # lane uses INFO. This shows whether DETAIL works where users run it.
     # 128 W images in batches of 32 per GPU: 4 steps at any W (DDP fails at the second)
-    r = gpu_run("03_ddp_train.py", "--unused-layer", "--train-size", 128 * GPUS, "--val-size", 0,
-                "--batch-size", 32, "--epochs", 1,
-                env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"}).failed()
+    r = gpu_run(
+        "03_ddp_train.py",
+        "--unused-layer",
+        "--train-size",
+        128 * GPUS,
+        "--val-size",
+        0,
+        "--batch-size",
+        32,
+        "--epochs",
+        1,
+        env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"},
+    ).failed()
     assert "Expected to have finished reduction in the prior iteration" in r.stderr, r
     assert "did not receive grad for rank 0: unused_layer.bias, unused_layer.weight" in r.stderr
 
@@ -98,18 +162,30 @@ def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
     # or 16 in all; the failure at step 10 comes after the save at step 8, on both.
     nproc = min(GPUS, 2)
     args = ("--amp", "fp16", "--train-size", 512, "--epochs", 2, "--save-every", 4)
-    straight = gpu_run("04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "a",
-                       nproc=nproc).ok()
-    resumed = gpu_run("04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "b",
-                      "--simulate-failure", 10, nproc=nproc, extra=("--max-restarts", 1)).ok()
+    straight = gpu_run(
+        "04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "a", nproc=nproc
+    ).ok()
+    resumed = gpu_run(
+        "04_checkpoint.py",
+        *args,
+        "--checkpoint-dir",
+        tmp_path / "b",
+        "--simulate-failure",
+        10,
+        nproc=nproc,
+        extra=("--max-restarts", 1),
+    ).ok()
     assert "resuming from" in resumed.stdout
     assert FINAL_04.search(straight.stdout)[1] == FINAL_04.search(resumed.stdout)[1]
 
 
 def test_05_sharded_evaluation_equals_one_process():
     r = gpu_run("05_eval_gather.py", "--val-size", 103, "--verify").ok()
-    assert r.stdout.strip().splitlines()[-1].endswith("identical to a one-process evaluation "
-                                                      "(counts exact, loss within 1e-6)"), r
+    assert (
+        r.stdout.strip()
+        .splitlines()[-1]
+        .endswith("identical to a one-process evaluation (counts exact, loss within 1e-6)")
+    ), r
 
 
 @two_gpus

@@ -1,14 +1,21 @@
 """Repo-wide properties: what a person copying one script gets. The shared block is identical
-in all six and small; each script is within its line cap and reads top-down (main first,
-then what it calls, then the parser, then the plumbing); no function takes more than six
-parameters; every option has a help line."""
+in all six and small; each script is within its ceiling of code lines and reads top-down
+(main first, then what it calls, then the parser, then the plumbing); the helpers several
+scripts share are identical wherever they appear; no function takes more than six
+parameters; every option has a help line.
+
+Size is counted in code lines of the formatted file (CI runs `ruff format --check`): lines
+that hold code, not blank lines, comment-only lines or docstrings. A comment that explains
+costs nothing, and a packed line gains nothing."""
 
 from __future__ import annotations
 
 import argparse
 import ast
+import io
 import re
 import shlex
+import tokenize
 
 import pytest
 import torch
@@ -18,9 +25,18 @@ from launch import REPO, load_script
 SCRIPTS = sorted(REPO.glob("0[1-6]_*.py"))
 BEGIN = "# ==== shared plumbing: begin"
 END = "# ==== shared plumbing: end"
-MAX_SHARED_LINES = 120
-MAX_LINES = {"04_checkpoint.py": 580}  # the others: 520
+MAX_SHARED_CODE_LINES = 90
+MAX_CODE_LINES = {
+    "01_init_methods.py": 400,
+    "02_sampler.py": 400,
+    "03_ddp_train.py": 480,
+    "05_eval_gather.py": 450,
+    "06_join_uneven.py": 430,
+}
+EXTRA_FOR_04 = 300  # 04 is 03 plus the checkpoint lesson: at most this many code lines more
 MAX_PARAMETERS = 6
+# Helpers that several scripts need, outside the shared block: one text wherever they appear.
+SHARED_HELPERS = ("number", "output_file", "write_atomic")
 
 
 def shared_block(text: str) -> str:
@@ -29,25 +45,78 @@ def shared_block(text: str) -> str:
     return text[start:stop]
 
 
+def code_lines(source: str) -> int:
+    """Lines that hold a code token: not blank, not comment-only, not part of a docstring (a
+    string that is a statement of its own)."""
+    skip = {
+        tokenize.COMMENT,
+        tokenize.NL,
+        tokenize.NEWLINE,
+        tokenize.INDENT,
+        tokenize.DEDENT,
+        tokenize.ENDMARKER,
+    }
+    lines, previous = set(), tokenize.NEWLINE
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type in skip:
+            if token.type != tokenize.NL:
+                previous = token.type
+            continue
+        starts_statement = previous in (tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT)
+        previous = token.type
+        if token.type == tokenize.STRING and starts_statement:
+            continue  # a docstring (or a bare string statement): free, like a comment
+        lines.update(range(token.start[0], token.end[0] + 1))
+    return len(lines)
+
+
+def test_code_lines_count_code_only():
+    source = (
+        '''"""A docstring,\non two lines."""\n\n# a comment\nx = 1  # trailing\n'''
+        '''def f():\n    """Its docstring."""\n    return (\n        "not a docstring"\n    )\n'''
+    )
+    assert code_lines(source) == 5  # x = 1; def f(); return (; the string; )
+
+
 def test_six_scripts():
     assert [p.name[:3] for p in SCRIPTS] == ["01_", "02_", "03_", "04_", "05_", "06_"]
 
 
-def test_shared_plumbing_is_identical_in_every_script_and_within_its_cap():
+def test_shared_plumbing_is_identical_in_every_script_and_within_its_ceiling():
     reference = shared_block(SCRIPTS[0].read_text())
     assert "def setup(" in reference and "def launch(" in reference
-    lines = len(reference.splitlines())
-    assert lines <= MAX_SHARED_LINES, f"the shared block has {lines} lines"
+    lines = code_lines(reference)
+    assert lines <= MAX_SHARED_CODE_LINES, f"the shared block has {lines} code lines"
     for script in SCRIPTS[1:]:
-        assert shared_block(script.read_text()) == reference, \
+        assert shared_block(script.read_text()) == reference, (
             f"{script.name} drifted from {SCRIPTS[0].name}"
+        )
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_script_within_its_line_cap(script):
-    lines = len(script.read_text().splitlines())
-    cap = MAX_LINES.get(script.name, 520)
-    assert lines <= cap, f"{script.name} has {lines} lines, the cap is {cap}"
+def test_script_within_its_ceiling_of_code_lines(script):
+    lines = code_lines(script.read_text())
+    ceiling = MAX_CODE_LINES.get(script.name)
+    if script.name == "04_checkpoint.py":
+        ceiling = code_lines((REPO / "03_ddp_train.py").read_text()) + EXTRA_FOR_04
+    assert lines <= ceiling, f"{script.name} has {lines} code lines, the ceiling is {ceiling}"
+
+
+def definitions(script) -> dict[str, str]:
+    """Each top-level function or class of a script, by name: its source text."""
+    text = script.read_text()
+    return {
+        node.name: ast.get_source_segment(text, node)
+        for node in ast.parse(text).body
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
+    }
+
+
+@pytest.mark.parametrize("name", SHARED_HELPERS)
+def test_a_helper_shared_by_several_scripts_is_the_same_wherever_it_appears(name):
+    copies = {script.name: definitions(script).get(name) for script in SCRIPTS}
+    texts = {text for text in copies.values() if text}
+    assert len(texts) == 1, f"{name} differs between {[s for s, t in copies.items() if t]}"
 
 
 def top_level(tree: ast.Module) -> list:
@@ -63,11 +132,12 @@ def test_main_first_then_what_it_calls_then_the_parser_then_the_plumbing(script)
     text = script.read_text()
     tree = ast.parse(text)
     defs = top_level(tree)
-    begin = text[:text.index(BEGIN)].count("\n") + 1
-    end = text[:text.index(END)].count("\n") + 1
+    begin = text[: text.index(BEGIN)].count("\n") + 1
+    end = text[: text.index(END)].count("\n") + 1
     # after the docstring and the imports, main: the whole lesson in outline
-    assert defs[0].name == "main" and defs[0].lineno <= 100, \
+    assert defs[0].name == "main" and defs[0].lineno <= 100, (
         f"first definition: {defs[0].name} at line {defs[0].lineno}"
+    )
     names = [n.name for n in defs]
     parser = names.index("build_parser")
     assert names[parser + 1] == "parse_args", "parse_args follows build_parser"
@@ -86,8 +156,10 @@ def test_main_first_then_what_it_calls_then_the_parser_then_the_plumbing(script)
     tail = [n for n in tree.body if n.lineno > end]
     assert len(tail) == 1 and isinstance(tail[0], ast.If), "only `if __name__ ...` follows"
     # one line tells where the plumbing is
-    assert "# setup(), launch(), check() and SetupError are the shared plumbing at the " \
-           "bottom of this file." in text
+    assert (
+        "# setup(), launch(), check() and SetupError are the shared plumbing at the "
+        "bottom of this file." in text
+    )
 
 
 @pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
@@ -95,8 +167,11 @@ def test_no_function_takes_more_than_six_parameters(script):
     too_many = []
     for node in ast.walk(ast.parse(script.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.Lambda)):
-            params = [a.arg for a in (*node.args.posonlyargs, *node.args.args,
-                                      *node.args.kwonlyargs) if a.arg not in ("self", "cls")]
+            params = [
+                a.arg
+                for a in (*node.args.posonlyargs, *node.args.args, *node.args.kwonlyargs)
+                if a.arg not in ("self", "cls")
+            ]
             if len(params) > MAX_PARAMETERS:
                 too_many.append(f"{getattr(node, 'name', 'lambda')}: {len(params)}")
     assert not too_many, too_many
@@ -135,7 +210,8 @@ def test_every_option_has_one_help_line_with_its_default_once(script):
         if "None" in text:
             problems.append(f"{name}: says None: {text!r}")
         shown = action.default not in (None, False, True) and not isinstance(
-            action, argparse.BooleanOptionalAction)
+            action, argparse.BooleanOptionalAction
+        )
         if shown and "default" not in text:
             problems.append(f"{name}: default {action.default!r} not shown: {text!r}")
     assert not problems, "\n".join(problems)
@@ -151,7 +227,7 @@ def commands(text: str):
             words = shlex.split(line)
             script = next((w for w in words if re.fullmatch(r"0[1-6]_\w+\.py", w)), None)
             if script:
-                yield line, script, words[words.index(script) + 1:]
+                yield line, script, words[words.index(script) + 1 :]
 
 
 def readme_commands() -> list:
@@ -168,10 +244,14 @@ def run_block_commands() -> list:
     return found
 
 
-@pytest.mark.parametrize("line, script, args", readme_commands() + run_block_commands(),
-                         ids=lambda value: value if isinstance(value, str) else None)
-def test_every_command_shown_parses_with_its_scripts_parser(line, script, args, tmp_path,
-                                                             monkeypatch):
+@pytest.mark.parametrize(
+    "line, script, args",
+    readme_commands() + run_block_commands(),
+    ids=lambda value: value if isinstance(value, str) else None,
+)
+def test_every_command_shown_parses_with_its_scripts_parser(
+    line, script, args, tmp_path, monkeypatch
+):
     monkeypatch.chdir(tmp_path)  # an output file named in a command is tried here
     parser = load_script(script).build_parser()
     try:
