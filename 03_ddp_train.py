@@ -71,6 +71,8 @@ def main(args: argparse.Namespace) -> None:
         )
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
+    if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
+        model.compile(backend=args.compile)  # (torch.compile(model) would add "_orig_mod.")
     ddp_model = DDP(
         model,
         device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
@@ -104,6 +106,7 @@ def main(args: argparse.Namespace) -> None:
     history = []
     while state.epoch < args.epochs:
         sampler.set_epoch(state.epoch)  # same seed + epoch on every rank: a shared new order
+        train_loader.dataset.set_epoch(state.epoch)  # and new augmentations, wherever drawn
         train = train_one_epoch(ddp_model, train_loader, state, args, d)
         # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
         for buffer in model.buffers():
@@ -188,15 +191,46 @@ def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set:
         persistent_workers=workers > 0,  # keep the workers alive from epoch to epoch
         pin_memory=d.device.type == "cuda",  # page-locked: copies to the GPU run async
     )
+    train_set = SeededAugmentation(train_set, args.seed)
     sampler = DistributedSampler(
         train_set, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=args.seed
     )
+    # iter(loader) draws the workers' base seed from generator, not from the global RNG
+    # (dropout's), so a resumed run (04_checkpoint.py) keeps the same random stream
+    generator = torch.Generator().manual_seed(args.seed + d.rank)
     # drop_last: full batches only (a batch of one image fails BatchNorm in training)
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, **common)
+    train_loader = DataLoader(
+        train_set, sampler=sampler, drop_last=True, generator=generator, **common
+    )
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
     return train_loader, sampler, DataLoader(val_shard, **common)
+
+
+class SeededAugmentation(Dataset):
+    """The training set, each sample's random augmentation drawn from its own seed (the run's
+    seed, the epoch, the sample's index) instead of the random stream of whichever process
+    loads it (a DataLoader worker's differs by rank and by worker). So N processes train on
+    exactly what one would, and a resumed run (04_checkpoint.py) on what the interrupted one
+    would have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+        # in shared memory: DataLoader workers, which hold copies of this object, see it change
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:  # before iter(loader), as for the sampler
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        seed = (self.seed * 1_000_003 + int(self.epoch)) * 1_000_003 + index
+        with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
+            torch.manual_seed(seed % 2**63)
+            return self.dataset[index]
 
 
 # ---- your model: any nn.Module; replace build_model() ------------------------------------
@@ -284,16 +318,11 @@ def report(sums: torch.Tensor, where: str, state: TrainState, d: Dist) -> tuple[
     """The loss and accuracy in all-reduced sums, checked finite on every rank; rank 0 prints
     them after where (if any)."""
     loss_sum, correct, count = sums.tolist()
-    check(
-        math.isfinite(loss_sum),
-        "finite loss",
-        f"the loss is not finite at step {state.step}: lower --lr",
-    )
+    diverged = f"the loss is not finite at step {state.step}: lower --lr"
+    check(math.isfinite(loss_sum), "finite loss", diverged)  # all-reduced: all stop together
     if d.rank == 0 and where:
-        lr = state.scheduler.get_last_lr()[0]
-        print(
-            f"{where}  loss {loss_sum / count:.4f}  acc {100 * correct / count:5.1f}%  lr {lr:.4f}"
-        )
+        lr, acc = state.scheduler.get_last_lr()[0], 100 * correct / count
+        print(f"{where}  loss {loss_sum / count:.4f}  acc {acc:5.1f}%  lr {lr:.4f}", flush=True)
     return loss_sum / count, correct / count
 
 
@@ -334,11 +363,8 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    check(
-        len(set(digests)) == 1,
-        "identical replicas",
-        f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}",
-    )
+    differ = f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}"
+    check(len(set(digests)) == 1, "identical replicas", differ)
     return (
         f"{d.world_size} rank(s) hold identical parameters and buffers "
         f"({flat.numel():,} values, sha256 {digest[:16]})"
@@ -404,10 +430,10 @@ def build_parser() -> argparse.ArgumentParser:
     add(t, "--accum-steps", "micro-batches per step, under no_sync", type=number(int, 1), default=1)
     add(t, "--lr", "the one-cycle schedule's peak", type=number(float, 0), default=0.05)
     add(t, "--weight-decay", "SGD's", type=number(float, 0), default=5e-4)
-    add(
-        t, "--amp", "autocast dtype; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES]
-    )
+    add(t, "--amp", "autocast; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES])
     add(t, "--float64", "for sharp equivalence checks (slow)", action="store_true")
+    what = "model.compile() before DDP, with this backend (left out: inductor)"
+    add(t, "--compile", what, nargs="?", const="inductor", metavar="BACKEND")
     add(t, "--seed", "seeds weights and data", type=number(int, 0), default=0)
     add(t, "--log-every", "steps between progress lines", type=number(int, 1), default=10)
     add(t, "--save-model", "rank 0 saves the weights there", type=output_file, metavar="PATH")

@@ -1,21 +1,33 @@
-r"""04_checkpoint.py: DDP checkpoints that survive a killed worker and resume exactly.
+r"""04_checkpoint.py: 03_ddp_train.py's job plus checkpoints: exact resume, restarts, preemption.
 
 Run
-  # one command shows failure, restart and resume: rank 1 dies at step 50
-  torchrun --standalone --nproc_per_node 2 --max-restarts 1 04_checkpoint.py --simulate-failure 50
+  # one command shows failure, restart and resume: rank 1 dies at step 30
+  torchrun --standalone --nproc_per_node 2 --max-restarts 1 04_checkpoint.py --simulate-failure 30
   python 04_checkpoint.py --spawn 2               # mp.spawn (no restarts: run it again to resume)
   python 04_checkpoint.py                         # one process
   # two nodes: the checkpoint directory must be on storage that both nodes see
   torchrun --nnodes 2 --nproc_per_node 4 --max-restarts 3 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
-The training state is one object, TrainState, with state_dict() and load_state_dict(). Rank
-0 locks --checkpoint-dir for its job and writes each checkpoint atomically with its sha256
-beside it. At start every rank loads the newest one that verifies, before DDP wraps the
-model, and carries on with the same data order and random state: bit for bit the weights of
-an uninterrupted run, with 1 or 2 processes. Under torchrun --max-restarts the ranks restart
-and resume on their own; a run resumes whenever the directory holds checkpoints (start over
-in a new one). Small synthetic model and data: the subject is the checkpoint. Torch >= 2.4.
+The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read it as
+`diff 03_ddp_train.py 04_checkpoint.py`, and copy this file for a job that must survive.
+- The training state (model, optimizer, schedule, fp16 scaler, epoch, global step and the
+  position in the epoch's order) is one object with state_dict() and load_state_dict().
+- Every --save-every steps and at each epoch's end, rank 0 copies it and a background thread
+  writes it (atomically, its sha256 beside it) while training goes on; --keep are kept.
+- At start every rank loads the newest checkpoint that verifies and carries on at the same
+  step, with the same data order, augmentations and random streams: bit for bit the weights
+  of an uninterrupted run with the same processes (GPUs too: cuDNN and cuBLAS are set to be
+  deterministic). On another world size the data position is exact; the random streams and
+  the schedule's length cannot be, and it says so.
+- SIGTERM (what SLURM and Kubernetes send before a kill, and torchrun forwards) or SIGUSR1
+  (sbatch --signal): every rank finishes its step, all agree on the step to stop at, rank 0
+  saves, and each rank ends with exit code 128 + the signal, for the scheduler to retry.
+  If the launcher itself is killed, its workers do the same.
+- A second job in the same folder is refused (rank 0 holds a lock), and so are a folder it
+  cannot write and a checkpoint that does not fit the model or the settings.
+Under torchrun --max-restarts the ranks restart and resume on their own; a run resumes
+whenever --checkpoint-dir holds checkpoints (start over in a new one). Torch >= 2.4.
 """
 
 from __future__ import annotations
@@ -24,6 +36,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import errno
 import fcntl
 import hashlib
 import io
@@ -33,9 +46,12 @@ import re
 import signal
 import socket
 import sys
+import tempfile
 import threading
 import time
 import traceback
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
@@ -44,85 +60,612 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
+import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp none: no autocast
-SHAPES_THE_RUN = ("seed", "train_size", "batch_size", "lr", "weight_decay", "amp")  # on resume
+# the options a resume must share with the run it resumes
+SHAPES_THE_RUN = "arch norm sync_bn unused_layer data train_size num_classes image_size epochs "
+SHAPES_THE_RUN += "batch_size accum_steps lr weight_decay amp float64 seed"
 
 
 def main(args: argparse.Namespace) -> None:
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
     d = setup(args.timeout, store=attempt_store(args.timeout))
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    checkpoints = Checkpoints(args, d)  # rank 0 locks the folder; SIGTERM now asks to stop
+    train_set, val_set, num_classes = build_datasets(args)
+    train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
+    steps_per_epoch = len(train_loader) // args.accum_steps
+    if steps_per_epoch == 0:  # full batches only: a last batch of one image fails BatchNorm
+        raise SetupError(
+            f"each rank's {len(sampler)} image(s) make {len(train_loader)} full batch(es) of "
+            f"{args.batch_size}; a step takes {args.accum_steps}"
+        )
+    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
+    model = build_model(args, num_classes).to(d.device, args.dtype)
+    if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
+        model.compile(backend=args.compile)  # (torch.compile(model) would add "_orig_mod.")
+    ddp_model = DDP(
+        model,
+        device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
+        bucket_cap_mb=args.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
+        find_unused_parameters=args.find_unused_parameters,  # only if some get no gradient
+        static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
+        gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
+    )
+    torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
+    # fused (GPUs): one kernel per step, and fp16's GradScaler.step then needs no .item()
+    fused = d.device.type == "cuda"
+    optimizer = torch.optim.SGD(
+        model.parameters(), args.lr, momentum=0.9, weight_decay=args.weight_decay, fused=fused
+    )
+    for p in model.parameters():  # zeros, not fused SGD's torch.empty_like: see NOTES.md
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, args.lr, steps_per_epoch * args.epochs
+    )
+    scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
+    seen = torch.zeros(len(train_set), dtype=torch.int64)  # coverage: visits per image
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # the epoch's loss, accuracy
+    state = TrainState(model, optimizer, scheduler, scaler, seen=seen, sums=sums)
+    checkpoints.load(state, steps_per_epoch)  # every rank: the newest that verifies, if any
     if d.rank == 0:
         print(
-            f"{d.world_size} process(es) on {d.device.type}, attempt {restarts + 1} "
-            f"(TORCHELASTIC_RESTART_COUNT={restarts}), checkpoints in {args.checkpoint_dir}"
+            f"training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
+            f"params, {num_classes} classes) on {d.world_size} x {d.device.type} "
+            f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
+            f"global batch {d.world_size * args.batch_size * args.accum_steps} = "
+            f"{d.world_size} ranks x {args.batch_size} x {args.accum_steps} accum; "
+            f"{state.scheduler.total_steps} steps"
         )
-    prepare_directory(args.checkpoint_dir, d)
-    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
-    model = build_model().to(d.device)
-    optimizer = torch.optim.AdamW(
-        model.parameters(),
-        lr=args.lr,
-        weight_decay=args.weight_decay,
-        fused=d.device.type == "cuda",
-    )  # fp16: GradScaler won't sync
-    state = TrainState(
-        model,
-        optimizer,
-        torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7),
-        torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16"),
-        args.train_size,
-    )
-    torch.manual_seed(args.seed + d.rank)  # then each rank its own dropout stream
-    resumed = load_checkpoint(state, args, d)  # before DDP: it loads into the plain model
-    ddp_model = DDP(model, device_ids=[d.device] if d.device.type == "cuda" else None)
-    dataset = SyntheticPatterns(args.train_size, args.seed)
-    sampler = ResumableSampler(dataset, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
-    # iter(loader) draws its workers' base seed from generator; from the global RNG, that draw
-    # would come once more in a resumed run and shift every random number after it (dropout).
-    loader = DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        generator=torch.Generator().manual_seed(args.seed + d.rank),
-        pin_memory=d.device.type == "cuda",
-    )
-    if state.epoch >= args.epochs and d.rank == 0:
-        print(f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir")
-    train(ddp_model, loader, state, restarts == 0 and not resumed, args, d)
-    # ---- checks: identical replicas, and a checkpoint that loads without DDP ----
-    for buffer in model.buffers():  # rank 0's BatchNorm statistics, as saved, on every rank
-        dist.broadcast(buffer, src=0)
+    history = []
+    while state.epoch < args.epochs:
+        sampler.set_position(state.epoch, state.position)  # this epoch's order, from there on
+        train_loader.dataset.set_epoch(state.epoch)  # and new augmentations, wherever drawn
+        train = train_one_epoch(ddp_model, train_loader, state, args, d, checkpoints)
+        check_coverage(state, sampler, d)
+        # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
+        for buffer in model.buffers():
+            dist.broadcast(buffer, src=0)
+        val = evaluate(model, val_loader, args, d) if len(val_set) else None
+        history.append((train, val))
+        if d.rank == 0:
+            print(f"epoch {state.epoch + 1} done: {describe(train, val)}", flush=True)
+        state.epoch += 1
+        state.position = 0
+        state.seen.zero_()
+        state.sums.zero_()
+        checkpoints.save(state, f"end of epoch {state.epoch}")  # every rank: at the same step
+    checkpoints.finish()  # every rank: the last write is on disk (or all stop on its error)
+
+    # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if d.rank == 0:  # the last checkpoint as an inference job loads it: a plain model, no DDP
-        path = sorted(args.checkpoint_dir.glob("step-*.pt"))[-1]
-        (plain := build_model()).load_state_dict(read_checkpoint(path)["model"])
-        same = map(torch.equal, plain.state_dict().values(), model.cpu().state_dict().values())
-        check(all(same), "inference copy", f"a plain model from {path.name} has other weights")
-        print(
-            f"verified: every epoch used each of the {args.train_size} samples once "
-            f"(plus the sampler's padding)"
+    if d.rank == 0:  # the last checkpoint as an inference job loads it: a plain model
+        last = checkpoints.path(checkpoints.steps()[0])
+        verified += "; " + verify_inference_copy(model, last, args, num_classes)
+    if args.save_model:
+        if d.rank == 0:
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)  # the plain model: keys without "module."
+            write_atomic(args.save_model, buffer.getvalue())
+        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
+    if d.rank == 0:
+        done = f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir"
+        print(summary(history, state, d) if history else done)
+        saved = f"; rank 0 saved them to {args.save_model}" if args.save_model else ""
+        print(f"verified: {verified}{saved}", flush=True)
+
+
+# ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
+def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
+    """The training set, the validation set and the number of classes."""
+    if not args.data:
+        shape = (args.num_classes, args.image_size, args.seed)
+        train = SyntheticImages(args.train_size, *shape, train=True)
+        return train, SyntheticImages(args.val_size, *shape, train=False), args.num_classes
+    T = torchvision.transforms
+    # Random transforms draw from each DataLoader worker's RNG, which differs per rank.
+    norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    train_transform = T.Compose(
+        [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(), norm]
+    )
+    resize = round(args.image_size * 256 / 224)
+    val_transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
+    try:
+        train_set = torchvision.datasets.ImageFolder(args.data / "train", train_transform)
+        val_set = torchvision.datasets.ImageFolder(args.data / "val", val_transform)
+    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
+        raise SetupError(f"--data {args.data}: {e}") from e
+    if val_set.classes != train_set.classes:  # each split numbers its own folders' classes
+        raise SetupError(
+            f"--data {args.data}: val's classes {val_set.classes} differ from train's "
+            f"{train_set.classes}; their labels would not match"
         )
-        print(f"verified: {verified}; a plain model loads the same from {path.name}", flush=True)
-    dist.barrier()  # the others stay until rank 0 has read the final checkpoint
+    return train_set, val_set, len(train_set.classes)
+
+
+class SyntheticImages(Dataset):
+    """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
+    plus noise. Nothing random at load time, so N processes see exactly what one would."""
+
+    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, train: bool):
+        patterns = torch.randn(num_classes, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+        patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
+        g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
+        self.labels = torch.randint(num_classes, (size,), generator=g)
+        noise = torch.randn(size, 3, image_size, image_size, generator=g)
+        self.images = patterns[self.labels] + 1.5 * noise
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def __getitem__(self, index: int):
+        return self.images[index], int(self.labels[index])
+
+
+def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
+    """The training loader with its DistributedSampler, and this rank's validation loader."""
+    workers = args.workers
+    if workers is None:  # CPU: the cores train, not workers; GPU: the node's cores, shared
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
+        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
+        workers = 0 if d.device.type == "cpu" else min(8, cores // local_world)
+    common = dict(
+        batch_size=args.batch_size,
+        num_workers=workers,
+        persistent_workers=workers > 0,  # keep the workers alive from epoch to epoch
+        pin_memory=d.device.type == "cuda",  # page-locked: copies to the GPU run async
+    )
+    train_set = SeededAugmentation(train_set, args.seed)
+    sampler = ResumableSampler(
+        train_set, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=args.seed
+    )
+    # iter(loader) draws the workers' base seed from generator, not from the global RNG
+    # (dropout's), so a resumed run (04_checkpoint.py) keeps the same random stream
+    generator = torch.Generator().manual_seed(args.seed + d.rank)
+    # drop_last: full batches only (a batch of one image fails BatchNorm in training)
+    train_loader = DataLoader(
+        train_set, sampler=sampler, drop_last=True, generator=generator, **common
+    )
+    # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
+    # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
+    val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
+    return train_loader, sampler, DataLoader(val_shard, **common)
+
+
+class SeededAugmentation(Dataset):
+    """The training set, each sample's random augmentation drawn from its own seed (the run's
+    seed, the epoch, the sample's index) instead of the random stream of whichever process
+    loads it (a DataLoader worker's differs by rank and by worker). So N processes train on
+    exactly what one would, and a resumed run (04_checkpoint.py) on what the interrupted one
+    would have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset, self.seed = dataset, seed
+        # in shared memory: DataLoader workers, which hold copies of this object, see it change
+        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+
+    def set_epoch(self, epoch: int) -> None:  # before iter(loader), as for the sampler
+        self.epoch.fill_(epoch)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int):
+        seed = (self.seed * 1_000_003 + int(self.epoch)) * 1_000_003 + index
+        with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
+            torch.manual_seed(seed % 2**63)
+            return self.dataset[index]
+
+
+class ResumableSampler(DistributedSampler):
+    """A DistributedSampler that can start part-way into an epoch. DistributedSampler orders
+    the dataset by seed + epoch, pads the order to a multiple of the world size with its own
+    first indices, and deals every world_size-th index to each rank. After s full steps of
+    b images on W ranks, that deal has used exactly the first s*b*W positions of the order,
+    whichever ranks took them. So a resume skips that many positions and deals the rest the
+    same way over the ranks it has now: nothing is loaded again, nothing is skipped. It also
+    records what it dealt, for the coverage check."""
+
+    start = 0  # positions of this epoch's order already consumed
+
+    def set_position(self, epoch: int, start: int) -> None:
+        self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
+        self.start = start
+
+    def order(self) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
+        return torch.randperm(len(self.dataset), generator=g).tolist()
+
+    def __iter__(self):
+        order = self.order()
+        rest = order[self.start :]
+        padding = -len(rest) % self.num_replicas  # repeats of the order's head
+        rest += (order * (padding // len(order) + 1))[:padding]
+        self.dealt = rest[self.rank :: self.num_replicas]
+        if self.start == 0:  # from the top, this must be exactly what DistributedSampler deals
+            stock = list(super().__iter__())
+            check(self.dealt == stock, "sampler matches DistributedSampler", f"epoch {self.epoch}")
+        return iter(self.dealt)
+
+    def __len__(self) -> int:
+        return math.ceil((len(self.dataset) - self.start) / self.num_replicas)
+
+
+# ---- your model: any nn.Module; replace build_model() ------------------------------------
+def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
+    kwargs = {"num_classes": num_classes}
+    if args.norm == "group":
+        # GroupNorm has no batch statistics: the same model however the batch is split
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
+    try:
+        model = torchvision.models.get_model(args.arch, **kwargs)
+    except TypeError as e:
+        raise SetupError(
+            f"--norm group needs an architecture with a norm_layer argument (resnet*, "
+            f"resnext*, wide_resnet*); {args.arch} has none"
+        ) from e
+    model.eval()  # one image through it now (no statistics change), so a misfit is named here
+    try:
+        model(torch.zeros(1, 3, args.image_size, args.image_size))
+    except (AssertionError, RuntimeError, ValueError) as e:  # vit_b_16 at 16 px, say
+        raise SetupError(f"--arch {args.arch} cannot take {args.image_size} px images: {e}") from e
+    if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
+        model.unused_layer = nn.Linear(8, 8)
+    return model
+
+
+@dataclass
+class TrainState:
+    """What training changes as it goes, in one place, with state_dict() and load_state_dict()
+    (torch.distributed.checkpoint's Stateful): what a checkpoint saves and a resume restores."""
+
+    model: nn.Module  # the plain model, not the DDP wrapper
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler  # one-cycle: it steps with every step
+    scaler: torch.amp.GradScaler  # fp16's loss scale; a no-op unless --amp fp16
+    epoch: int = 0  # the epoch in progress
+    step: int = 0  # optimizer steps taken: the global step
+    position: int = 0  # images of this epoch's order consumed, over all ranks (the sampler's)
+    seen: torch.Tensor = None  # this epoch's visits per training image, this rank's: coverage
+    sums: torch.Tensor = None  # this epoch's loss sum, correct and images, this rank's: report
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),  # the plain model: keys without "module."
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "position": self.position,
+            "seen": self.seen,
+            "sums": self.sums,  # this epoch's loss sum, correct, images so far: its report
+        }
+
+    def load_state_dict(self, saved: dict) -> None:
+        self.model.load_state_dict(saved["model"])
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.scaler.load_state_dict(saved["scaler"])
+        self.epoch, self.step, self.position = saved["epoch"], saved["step"], saved["position"]
+        self.seen.copy_(saved["seen"])
+        self.sums.copy_(saved["sums"])
+
+
+def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: Dist, checkpoints):
+    """One pass over this rank's shard; the epoch's loss and accuracy over all ranks."""
+    model.train()
+    amp = AMP_DTYPES.get(args.amp)
+    sums = state.sums  # loss sum, correct, images (resumed mid-epoch: rank 0's holds all so far)
+    batches = iter(loader)
+    steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
+    started = None
+    for i in range(steps):
+        for k in range(args.accum_steps):
+            images, labels = next(batches)
+            images = images.to(d.device, dtype=args.dtype, non_blocking=True)
+            labels = labels.to(d.device, non_blocking=True)
+            # no_sync: the first K-1 backward passes only add up gradients here; the K-th
+            # all-reduces their sum. (static_graph: the first backward syncs; see NOTES.md)
+            sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
+            with nullcontext() if sync else model.no_sync():
+                with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
+                    logits = model(images)
+                    loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
+                state.scaler.scale(loss / args.accum_steps).backward()
+            with torch.no_grad():  # running sums stay on the device: no wait for the GPU
+                sums[0] += loss.double() * len(labels)
+                sums[1] += (logits.argmax(1) == labels).sum()
+                sums[2] += len(labels)
+        state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
+        state.scaler.update()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.scheduler.step()
+        state.step += 1
+
+        # ---- the checkpoint lesson: at every step boundary -----------------------------
+        images_per_step = args.batch_size * args.accum_steps
+        dealt = loader.sampler.dealt[i * images_per_step : (i + 1) * images_per_step]
+        state.seen.index_add_(0, torch.tensor(dealt), torch.ones(len(dealt), dtype=torch.int64))
+        state.position += images_per_step * d.world_size
+        # --simulate-failure: the last rank dies abruptly, like a machine that is gone
+        last_rank = d.rank == d.world_size - 1
+        if args.simulate_failure == state.step and last_rank and not checkpoints.resumed:
+            print(f"[rank {d.rank}] simulated failure at step {state.step}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+        stop = checkpoints.stop_requested()  # every rank, every step: a small CPU all-reduce
+        if stop or (state.step % args.save_every == 0 and i < steps - 1):  # (epoch end: main)
+            checkpoints.save(state, f"epoch {state.epoch + 1}, {state.position} images in")
+        if stop:
+            checkpoints.finish()  # the save is on disk before this rank ends
+            if d.rank == 0:
+                print(f"stopping on {stop} at step {state.step}: run the same command to resume")
+            raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
+
+        # ---- bookkeeping: the clock and the progress line, not part of the step ----------
+        if i == 0:
+            started = clock(d)  # time from the end of step 1: it pays one-off costs
+        if state.step % args.log_every == 0:
+            so_far = sums.clone()
+            dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far
+            progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
+            report(so_far, f"epoch {state.epoch + 1}/{args.epochs}  {progress}", state, d)
+    dist.all_reduce(sums)  # the whole epoch, over every rank's batches
+    loss, acc = report(sums, "", state, d)
+    images = max(steps - 1, 0) * args.batch_size * args.accum_steps * d.world_size
+    seconds = clock(d) - started if started else 0.0
+    return {"loss": loss, "acc": acc, "images": images, "seconds": seconds}
+
+
+# ---- checkpoints: DIR/step-40.pt beside DIR/step-40.pt.sha256 (sha256sum's format) ------
+class Checkpoints:
+    """The checkpoint folder of one job. Rank 0 locks it; saves are written by a background
+    thread, atomically, the sha256 last; at start the newest that verifies is loaded. It also
+    holds the preemption flag: SIGTERM and SIGUSR1 only set it, and the ranks agree on it at a
+    step boundary (no collective may run inside a signal handler)."""
+
+    def __init__(self, args: argparse.Namespace, d: Dist):
+        self.dir, self.args, self.d = args.checkpoint_dir, args, d
+        self.writer, self.error, self.signal = None, None, 0
+        self.resumed = False
+        # a Gloo group for the flag: CPU tensors, so no wait for the GPU at every step
+        limit = datetime.timedelta(seconds=args.timeout)
+        self.group = dist.new_group(backend="gloo", timeout=limit)
+        for sig in (signal.SIGTERM, signal.SIGUSR1):  # a scheduler's warning: finish, save
+            signal.signal(sig, self.request_stop)
+        # a launcher killed outright (SIGKILL) cannot stop its workers: they stop themselves
+        threading.Thread(target=self.stop_when_orphaned, args=(os.getppid(),), daemon=True).start()
+        raise_rank0_error(self.prepare() if d.rank == 0 else None)  # every rank: the outcome
+
+    def request_stop(self, signum: int, frame) -> None:  # in the signal handler: a flag only
+        self.signal = signum
+
+    def stop_when_orphaned(self, parent: int) -> None:
+        while os.getppid() == parent:
+            time.sleep(1)
+        self.signal = self.signal or signal.SIGTERM  # as if preempted: finish the step, save
+
+    def stop_requested(self) -> str:
+        """Every rank, at the same step: the signal any rank was asked to stop by, or ""."""
+        flag = torch.tensor([self.signal])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        return signal.Signals(int(flag)).name if flag else ""
+
+    def prepare(self) -> str | None:
+        """Rank 0, before training: lock the folder for this job (another job there would prune
+        and overwrite its checkpoints), make sure it can write there, remove a killed save's
+        leftovers. The error, if any."""
+        try:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            lock = os.open(self.dir / ".lock", os.O_RDWR | os.O_CREAT)  # open while we live
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            tempfile.TemporaryFile(dir=self.dir).close()  # the lock file alone may be writable
+            for leftover in self.dir.glob(".step-*.tmp*"):
+                leftover.unlink()
+        except BlockingIOError:
+            return f"another job holds {self.dir}/.lock: use another --checkpoint-dir, or wait"
+        except OSError as e:
+            if e.errno in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+                return f"{self.dir} is on a filesystem without locks (flock: {e.strerror})"
+            return f"cannot write checkpoints in {self.dir}: {e.strerror or e}"
+        return None
+
+    def steps(self) -> list[int]:
+        """The steps of the checkpoints in the folder, newest first: names that match exactly
+        (step-best.pt, a copy, is ignored: never loaded, never pruned)."""
+        names = (re.fullmatch(r"step-(\d+)\.pt", p.name) for p in self.dir.iterdir())
+        return sorted((int(m[1]) for m in names if m), reverse=True)
+
+    def path(self, step: int) -> Path:
+        return self.dir / f"step-{step:08d}.pt"
+
+    def load(self, state: TrainState, steps_per_epoch: int) -> None:
+        """Every rank, before the first step: load the newest checkpoint that verifies, falling
+        back past unreadable ones (renamed *.unreadable); start from step 0 if there is none."""
+        d, saved, path, skipped = self.d, None, None, []
+        for step in self.steps():
+            try:
+                path, saved = self.path(step), read_checkpoint(self.path(step))
+                break
+            except (Unreadable, OSError) as e:
+                skipped.append(f"{self.path(step).name}: {e}")
+        names = [None] * d.world_size
+        dist.all_gather_object(names, path and path.name)
+        same = "is --checkpoint-dir the same folder on every node?"
+        check(len(set(names)) == 1, "one checkpoint", f"ranks chose {names}; {same}")
+        if skipped and not saved:  # never silently start from scratch over checkpoints
+            none = f"{self.dir} holds {len(skipped)} checkpoint(s) and none is readable"
+            raise SetupError(f"{none} ({'; '.join(skipped)}). Move them away to start over")
+        if d.rank == 0:
+            for why in skipped:
+                name = why.split(":")[0]
+                print(
+                    f"WARNING: {why}; renamed it *.unreadable, used an older one", file=sys.stderr
+                )
+                os.rename(self.dir / name, self.dir / f"{name}.unreadable")  # kept, out of the way
+        if not saved:
+            if d.rank == 0:
+                print(f"no checkpoint in {self.dir}: starting from step 0", flush=True)
+            return
+        check_settings(saved["args"], settings(self.args), path)
+        try:
+            state.load_state_dict(saved)
+        except (RuntimeError, KeyError, ValueError) as e:  # build_model changed, say
+            first = str(e).strip().splitlines()[0]
+            raise SetupError(f"{path} does not fit this model or optimizer: {first}") from e
+        self.resumed = True
+        if d.rank != 0:
+            state.seen.zero_()  # rank 0 carries the epoch's counts and sums so far
+            state.sums.zero_()
+        if saved["world_size"] == d.world_size:
+            cpu, cuda = saved["rng"][d.rank]  # this rank's random streams, where they were
+            torch.set_rng_state(cpu)
+            if cuda is not None and d.device.type == "cuda":
+                torch.cuda.set_rng_state(cuda, d.device)
+        else:  # the data position carries on; the schedule is stretched to the steps left
+            torch.manual_seed(self.args.seed + d.rank + 1_000_003 * state.step)
+            per_rank = math.ceil((len(state.seen) - state.position) / d.world_size)
+            left = per_rank // self.args.batch_size // self.args.accum_steps
+            left += steps_per_epoch * (self.args.epochs - state.epoch - 1)
+            state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
+                state.optimizer, self.args.lr, state.step + left, last_epoch=state.step - 1
+            )
+            if d.rank == 0:
+                change = f"world size {saved['world_size']} -> {d.world_size}"
+                print(f"{change}: random streams reseeded, schedule of {state.step + left} steps")
+        if d.rank == 0:
+            done = f"epoch {state.epoch + 1} with {state.position} of its images done"
+            print(f"resuming from {path}: {done}, global step {state.step}", flush=True)
+
+    def save(self, state: TrainState, where: str) -> None:
+        """Every rank, at the same step: the random streams, the epoch's counts and sums are
+        gathered; rank 0 copies the state to the CPU and a background thread writes it while
+        training goes on. The previous write must have finished: all learn its outcome."""
+        d = self.d
+        rngs = [None] * d.world_size
+        cuda = torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None
+        dist.all_gather_object(rngs, (torch.get_rng_state(), cuda))  # dropout's, say
+        totals = {}
+        for name in ("seen", "sums"):  # over all ranks (NCCL reduces GPU tensors)
+            totals[name] = getattr(state, name).to(d.device, copy=True)
+            dist.all_reduce(totals[name])
+        weights = [t for t in state.model.state_dict().values() if t.is_floating_point()]
+        finite = all(t.isfinite().all() for t in weights)  # the same on every rank: all stop
+        check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
+        self.finish()
+        if d.rank == 0:
+            saved = {**state.state_dict(), **totals, "rng": rngs, "world_size": d.world_size}
+            saved["args"] = settings(self.args)
+            snapshot = cpu_copy(saved)  # the training thread's part: training goes on after
+            self.writer = threading.Thread(target=self.write, args=(snapshot, state.step, where))
+            self.writer.start()
+
+    def write(self, snapshot: dict, step: int, where: str) -> None:
+        """Rank 0's background thread: serialise, write, sync and rename, the sha256 last (it
+        marks the checkpoint finished); then prune to the newest --keep."""
+        path = self.path(step)
+        try:
+            buffer = io.BytesIO()
+            torch.save(snapshot, buffer)
+            data = buffer.getvalue()
+            write_atomic(path, data)
+            digest = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode()
+            write_atomic(marker(path), digest)
+            folder = os.open(self.dir, os.O_RDONLY)
+            os.fsync(folder)  # the renames themselves survive a power cut
+            os.close(folder)
+            for old in self.steps()[self.args.keep :]:
+                marker(self.path(old)).unlink(missing_ok=True)  # the marker first
+                self.path(old).unlink(missing_ok=True)
+            print(f"saved {path.name} ({where})", flush=True)
+        except Exception as e:  # noqa: BLE001 - any: this thread reports to finish()
+            self.error = f"rank 0 could not write a checkpoint in {self.dir}: {e}"
+
+    def finish(self) -> None:
+        """Every rank: rank 0 waits for the background write; all raise its error, if any."""
+        if self.writer:
+            self.writer.join()
+            self.writer = None
+        raise_rank0_error(self.error)
+
+
+def raise_rank0_error(error: str | None) -> None:
+    """A collective: every rank raises rank 0's error, so none waits for a rank that left."""
+    outcome = [error]
+    dist.broadcast_object_list(outcome, src=0)
+    if outcome[0]:
+        raise SetupError(outcome[0])
+
+
+def settings(args: argparse.Namespace) -> dict:
+    """The options that shape the run: a resume must use the same (paths as text)."""
+    values = {name: getattr(args, name) for name in SHAPES_THE_RUN.split()}
+    return {k.replace("_", "-"): str(v) if isinstance(v, Path) else v for k, v in values.items()}
+
+
+def check_settings(saved: dict, ours: dict, path: Path) -> None:
+    """A resume must use the settings the checkpoint was written with, and this script."""
+    if saved.keys() != ours.keys():
+        raise SetupError(f"{path} was written by another version of this script")
+    differ = [f"--{k} {saved[k]} there, {v} here" for k, v in ours.items() if saved[k] != v]
+    if differ:
+        same = "resume with the same ones or use another --checkpoint-dir"
+        raise SetupError(f"{path} was written with other settings ({', '.join(differ)}); {same}")
+
+
+def cpu_copy(value):
+    """A copy of value whose tensors are on the CPU and share nothing with training's."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True)
+    if isinstance(value, dict):
+        return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(cpu_copy(v) for v in value)
+    return value
+
+
+def read_checkpoint(path: Path) -> dict:
+    """Verify and load one checkpoint, or raise Unreadable."""
+    if not marker(path).exists():
+        raise Unreadable(f"no {marker(path).name}: the save did not finish")
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != (marker(path).read_text().split() or ["-"])[0]:
+        raise Unreadable(f"sha256 mismatch ({len(data)} bytes): truncated or corrupted")
+    try:
+        # Onto the CPU (load_state_dict moves each tensor where its parameter is), and
+        # weights_only: tensors and plain containers only, no code runs.
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
+        raise Unreadable(f"torch.load failed: {str(e).splitlines()[0]}") from e
+    required = {"model", "optimizer", "scheduler", "epoch", "step", "rng", "world_size", "args"}
+    missing = required - set(saved) if isinstance(saved, dict) else required
+    if missing:
+        raise Unreadable(f"not a checkpoint of this script (no {', '.join(sorted(missing))})")
+    return saved
+
+
+def marker(path: Path) -> Path:  # step-40.pt.sha256: its sha256 in sha256sum's format
+    return path.with_name(path.name + ".sha256")
+
+
+class Unreadable(Exception): ...  # a checkpoint file that cannot be trusted: the message says why
 
 
 def attempt_store(timeout: float):
     """Under torchrun --max-restarts, a fresh TCPStore per attempt: the agent's outlives restarts
-    with the dead group's keys (pytorch/pytorch#135712), and restart counts differ by node
-    (#147064). Rank 0 posts its port in the agent's store; the others use it once it answers.
-    No restarts: the agent's, which outlives rank 0 (NCCL's dump signal travels there)."""
-    if (
-        os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0"
-        or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True"
-    ):
+    with the dead group's keys, and restart counts differ by node (NOTES.md). Rank 0 posts its
+    port in the agent's store; the others use it once it answers. No restarts: the agent's."""
+    restarts = os.environ.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
+    if not restarts or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host, limit = os.environ["MASTER_ADDR"], datetime.timedelta(seconds=timeout)
     agent = dist.TCPStore(host, int(os.environ["MASTER_PORT"]), is_master=False, timeout=limit)
@@ -141,364 +684,110 @@ def attempt_store(timeout: float):
     raise SetupError(f"rank 0 posted no live store within {timeout:g}s")
 
 
-def prepare_directory(directory: Path, d: Dist) -> None:
-    """Before training, rank 0 locks the directory for this job (another job there would prune
-    and overwrite its checkpoints) and removes a killed save's leftovers; all learn the outcome."""
-    error = None
-    try:
-        if d.rank == 0:  # flock: held until the process ends (the descriptor is never closed)
-            directory.mkdir(parents=True, exist_ok=True)
-            lock = os.open(directory / ".lock", os.O_RDWR | os.O_CREAT)  # also: can we write?
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            for leftover in directory.glob(".step-*.tmp*"):
-                leftover.unlink()
-    except BlockingIOError:
-        error = f"another job holds {directory}/.lock: use another --checkpoint-dir, or wait"
-    except OSError as e:
-        error = f"checkpoint directory {directory} is not writable: {e}"
-    raise_rank0_error(error)
-
-
-def raise_rank0_error(error: str | None) -> None:  # a collective: all raise rank 0's error
-    outcome = [error]
-    dist.broadcast_object_list(outcome, src=0)
-    if outcome[0]:
-        raise SetupError(outcome[0])
-
-
-def build_model() -> nn.Module:
-    # BatchNorm buffers and Dropout's random draws are both state a resume must restore.
-    return nn.Sequential(
-        nn.Conv2d(3, 16, 3, padding=1),
-        nn.BatchNorm2d(16),
-        nn.ReLU(),
-        nn.Conv2d(16, 32, 3, stride=2, padding=1),
-        nn.BatchNorm2d(32),
-        nn.ReLU(),
-        nn.AdaptiveAvgPool2d(1),
-        nn.Flatten(),
-        nn.Dropout(0.2),
-        nn.Linear(32, 10),
-    )
-
-
-class TrainState:
-    """What a resume needs but the per-rank random streams, with state_dict() and
-    load_state_dict() (torch.distributed.checkpoint's Stateful); seen: this rank's visits."""
-
-    KEYS = ("model", "optimizer", "scheduler", "scaler", "epoch", "position", "step", "seen")
-
-    def __init__(self, model: nn.Module, optimizer, scheduler, scaler, train_size: int):
-        self.model, self.optimizer = model, optimizer
-        self.scheduler, self.scaler = scheduler, scaler
-        self.epoch = self.step = 0  # the epoch in progress; optimizer steps since the start
-        self.position = 0  # how much of this epoch's global order is consumed (see the sampler)
-        self.seen = torch.zeros(train_size, dtype=torch.int64)
-
-    def state_dict(self) -> dict:
-        return {
-            "model": self.model.state_dict(),  # the plain model: keys without "module."
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "position": self.position,
-            "step": self.step,
-            "seen": self.seen,
-        }
-
-    def load_state_dict(self, state: dict) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])
-        self.scaler.load_state_dict(state["scaler"])  # a no-op unless --amp fp16
-        self.epoch, self.position, self.step = state["epoch"], state["position"], state["step"]
-        self.seen = state["seen"].to("cpu", torch.int64)
-
-
-# ---- checkpoints: step-00000040.pt beside step-00000040.pt.sha256 (sha256sum's format) ----
-def load_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> bool:
-    """On every rank, before DDP: load the newest checkpoint that verifies into state, falling
-    back past unreadable ones (renamed *.unreadable); False if there is none."""
-    candidates = sorted(args.checkpoint_dir.glob("step-*.pt"), reverse=True)  # newest first
-    saved, path, skipped = None, None, []
-    for candidate in candidates:
-        try:
-            saved, path = read_checkpoint(candidate), candidate
-            break
-        except (Unreadable, OSError) as e:
-            skipped.append((candidate, str(e)))
-    names = [None] * d.world_size
-    dist.all_gather_object(names, path and path.name)
-    check(
-        len(set(names)) == 1,
-        "every rank resumes from the same checkpoint",
-        f"ranks chose {names}; is {args.checkpoint_dir} the same directory on every node?",
-    )
-    if candidates and not saved:  # never silently start from scratch over checkpoints
-        raise SetupError(
-            f"{args.checkpoint_dir} holds {len(candidates)} checkpoint(s) and none "
-            f"is readable ({'; '.join(f'{p.name}: {why}' for p, why in skipped)})"
-            f". Move them away to start over"
-        )
-    for bad, why in skipped if d.rank == 0 else []:
-        print(
-            f"WARNING: {bad.name} is unreadable ({why}); renamed it *.unreadable and fell "
-            f"back to an older checkpoint",
-            file=sys.stderr,
-            flush=True,
-        )
-        bad.rename(bad.with_name(bad.name + ".unreadable"))  # kept, but out of the way
-    if not saved:
-        if d.rank == 0:
-            print(f"no checkpoint in {args.checkpoint_dir}: starting from step 0", flush=True)
-        return False
-    differing = [
-        f"--{k.replace('_', '-')} {v} there, {getattr(args, k)} here"
-        for k, v in saved["args"].items()
-        if getattr(args, k) != v
-    ]
-    if differing:
-        raise SetupError(
-            f"{path} was written with different settings ({', '.join(differing)}"
-            f"); resume with the same values or use another --checkpoint-dir"
-        )
-    state.load_state_dict(saved)
-    if not d.rank == 0:
-        state.seen.zero_()  # rank 0 carries the epoch's coverage so far
-    if saved["world_size"] == d.world_size:
-        rng = saved["rng"][d.rank]  # this rank's streams, where they were
-        torch.set_rng_state(rng["torch"].cpu())
-        if rng["cuda"] is not None and d.device.type == "cuda":
-            torch.cuda.set_rng_state(rng["cuda"].cpu(), d.device)
-    else:
-        torch.manual_seed(args.seed + d.rank + 1_000_003 * state.step)
-        if d.rank == 0:
-            print(
-                f"world size changed ({saved['world_size']} -> {d.world_size}): random streams "
-                f"reseeded; weights, optimizer and data position carry on exactly"
-            )
-    if d.rank == 0:
-        print(
-            f"resuming from {path}: epoch {state.epoch} with {state.position} of its "
-            f"{args.train_size} samples done, global step {state.step}",
-            flush=True,
-        )
-    return True
-
-
-def read_checkpoint(path: Path) -> dict:
-    """Verify and load one checkpoint, or raise Unreadable."""
-    marker = path.with_name(path.name + ".sha256")
-    if not marker.exists():
-        raise Unreadable(f"no {marker.name}: the save did not finish")
-    data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != (marker.read_text().split() or ["(empty)"])[0]:
-        raise Unreadable(f"sha256 mismatch ({len(data)} bytes): truncated or corrupted")
-    try:
-        # Onto the CPU, not all onto GPU 0: load_state_dict moves each tensor where its parameter
-        # is (#128208). weights_only: tensors and plain containers only, no code runs.
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
-        raise Unreadable(f"torch.load failed: {str(e).splitlines()[0]}") from e
-    required = {*TrainState.KEYS, "rng", "world_size", "args"}
-    missing = required - set(state) if isinstance(state, dict) else required
-    if missing:
-        raise Unreadable(f"not a checkpoint of this script (no {', '.join(sorted(missing))})")
-    return state
-
-
-class Unreadable(Exception): ...  # a checkpoint file that cannot be trusted: the message says why
-
-
-# ---- data and training ------------------------------------------------------------------
-class SyntheticPatterns(Dataset):
-    """3x16x16 images of 10 classes (a fixed pattern per class plus noise). Item i is the same
-    on every rank and in every run; it comes with its index, for the coverage check."""
-
-    def __init__(self, size: int, seed: int):
-        g = torch.Generator().manual_seed(seed)
-        self.patterns = torch.randn(10, 3, 16, 16, generator=g)
-        self.labels = torch.randint(0, 10, (size,), generator=g)
-        self.noise = torch.randn(size, 3, 16, 16, generator=g)
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, i: int):
-        return i, self.patterns[self.labels[i]] + self.noise[i], self.labels[i]
-
-
-class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start part-way into an epoch. DistributedSampler orders
-    the dataset by seed + epoch, pads the order to a multiple of the world size with its own
-    first indices, and deals every world_size-th index to each rank. After s full steps of
-    batch b on W ranks, that deal has used exactly the first s*b*W positions of the order,
-    whichever ranks took them. So a resume skips that many positions and deals the rest the
-    same way over the ranks it has now: nothing is loaded again, nothing is skipped."""
-
-    start = 0  # positions of this epoch's order already consumed
-
-    def set_position(self, epoch: int, start: int) -> None:
-        self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
-        self.start = start
-
-    def __iter__(self):
-        n = len(self.dataset)
-        g = torch.Generator().manual_seed(self.seed + self.epoch)
-        order = torch.randperm(n, generator=g).tolist() if self.shuffle else list(range(n))
-        rest = order[self.start :]
-        self.padding = -len(rest) % self.num_replicas
-        rest += (order * (self.padding // n + 1))[: self.padding]  # pad with the order's head
-        indices = rest[self.rank :: self.num_replicas]
-        if self.start == 0:  # from the top, this must be exactly what DistributedSampler deals
-            check(
-                indices == list(super().__iter__()),
-                "sampler matches DistributedSampler",
-                f"epoch {self.epoch}: the resumable deal differs from the stock one",
-            )
-        return iter(indices)
-
-    def __len__(self) -> int:
-        return math.ceil((len(self.dataset) - self.start) / self.num_replicas)
-
-
-def train(model: DDP, loader: DataLoader, state: TrainState, first_attempt: bool, args, d):
-    amp = AMP_DTYPES.get(args.amp)
-    while state.epoch < args.epochs:
-        loader.sampler.set_position(state.epoch, state.position)
-        loss_sum = torch.zeros(2, device=d.device)
-        for i, (index, x, y) in enumerate(loader, 1):
-            simulate_failure(args, d, state.step, first_attempt)
-            x, y = x.to(d.device, non_blocking=True), y.to(d.device, non_blocking=True)
-            with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
-                loss = F.cross_entropy(model(x), y)
-            state.optimizer.zero_grad(set_to_none=True)
-            state.scaler.scale(loss).backward()
-            state.scaler.step(state.optimizer)  # optimizer.step(); skipped if fp16 overflowed
-            state.scaler.update()
-            state.seen.index_add_(0, index, torch.ones_like(index))
-            loss_sum += torch.stack(
-                [
-                    loss.detach().float() * len(index),  # no host sync per step
-                    loss_sum.new_tensor(len(index)),
-                ]
-            )
-            state.step += 1
-            state.position += args.batch_size * d.world_size  # the last batch may be short
-            if i == len(loader):
-                state.scheduler.step()  # per epoch, so a change of world size leaves it alone
-                check_coverage(state.seen, loader.sampler, state.epoch, d)
-                state.epoch, state.position = state.epoch + 1, 0
-                state.seen.zero_()
-                where = f"end of epoch {state.epoch - 1}"
-            elif state.step % args.save_every == 0:
-                where = f"epoch {state.epoch}, {state.position}/{args.train_size} samples"
-            else:
-                continue
-            dist.all_reduce(loss_sum)  # the mean loss over every rank's batches since the last save
-            weights = [t for t in state.model.state_dict().values() if t.is_floating_point()]
-            finite = all(t.isfinite().all() for t in weights)  # parameters and buffers
-            if not (finite and torch.isfinite(loss_sum[0])):  # before the save: the last good stays
-                raise SetupError(f"loss is not finite at step {state.step}; lower --lr")
-            path = save_checkpoint(state, args, d)
-            if d.rank == 0:
-                print(
-                    f"step {state.step:4d}  loss {(loss_sum[0] / loss_sum[1]).item():.4f}  "
-                    f"saved {path.name} ({where})",
-                    flush=True,
-                )
-            loss_sum.zero_()
-
-
-def save_checkpoint(state: TrainState, args: argparse.Namespace, d: Dist) -> Path:
-    """Every rank calls it: random states and coverage are gathered; rank 0 writes the file,
-    then its sha256 (last: it marks the save finished), and keeps only the newest --keep."""
-    rngs = [None] * d.world_size
-    dist.all_gather_object(
-        rngs,
-        {
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state(d.device) if d.device.type == "cuda" else None,
-        },
-    )  # dropout's; add any other you use
-    seen = state.seen.to(d.device, copy=True)  # NCCL reduces GPU tensors; counts live on CPU
-    dist.all_reduce(seen)
-    path, error = args.checkpoint_dir / f"step-{state.step:08d}.pt", None
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        torch.save(
-            {
-                **state.state_dict(),
-                "seen": seen.cpu(),
-                "rng": rngs,
-                "world_size": d.world_size,
-                "args": {k: getattr(args, k) for k in SHAPES_THE_RUN},
-            },
-            buffer,
-        )
-        data = buffer.getvalue()
-        try:
-            for target, payload in (
-                (path, data),
-                (
-                    path.with_name(path.name + ".sha256"),
-                    f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(),
-                ),
-            ):
-                tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
-                with open(tmp, "wb") as f:
-                    f.write(payload)
-                    f.flush()
-                    os.fsync(f.fileno())  # on disk before the rename makes it visible
-                os.replace(tmp, target)  # a reader sees the old file or the new one, never half
-            fd = os.open(args.checkpoint_dir, os.O_RDONLY)
-            os.fsync(fd)  # the renames themselves survive a power cut
-            os.close(fd)
-            for old in sorted(args.checkpoint_dir.glob("step-*.pt"), reverse=True)[args.keep :]:
-                for gone in (old.with_name(old.name + ".sha256"), old):  # marker first
-                    gone.unlink(missing_ok=True)
-        except OSError as e:
-            error = f"rank 0 could not write a checkpoint in {args.checkpoint_dir}: {e}"
-    raise_rank0_error(error)  # the usual recipe's barrier; a failed save stops every rank
-    return path
-
-
-def simulate_failure(args: argparse.Namespace, d: Dist, step: int, first_attempt: bool):
-    """The last rank dies abruptly, like a machine that is gone; on the first attempt only."""
-    if args.simulate_failure == step and d.rank == d.world_size - 1 and first_attempt:
-        print(f"[rank {d.rank}] simulated failure at step {step}: SIGKILL to myself", flush=True)
-        os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ---- checks: each sample once per epoch, identical replicas, a loadable checkpoint ------
-def check_coverage(seen: torch.Tensor, sampler: ResumableSampler, epoch: int, d: Dist) -> None:
-    """Every sample trained on once this epoch, over all ranks and any resume (+ padding)."""
-    total = seen.to(d.device, copy=True)
+# ---- checks: each image once per epoch, a plain model loads the last checkpoint -----------
+def check_coverage(state: TrainState, sampler: ResumableSampler, d: Dist) -> None:
+    """This epoch's images, over all ranks and any resume: the consumed head of the epoch's
+    order, each once (and the sampler's padding repeats, if the head reached them)."""
+    total = state.seen.to(d.device, copy=True)
     dist.all_reduce(total)  # NCCL reduces GPU tensors; the counts live on the CPU
-    check(
-        int(total.min()) >= 1 and int(total.sum()) == len(total) + sampler.padding,
-        "each sample once per epoch",
-        f"epoch {epoch}: {int((total == 0).sum())} never seen, "
-        f"{int(total.sum())} visits for {len(total)} samples + {sampler.padding} padding",
-    )
+    head = sampler.order()[: min(state.position, len(total))]
+    ok = int(total.sum()) == state.position and bool((total[head] >= 1).all())
+    detail = f"{int(total.sum())} visits, {state.position} expected"
+    check(ok and int(total.max()) <= 1 + (state.position > len(total)), "each image once", detail)
 
 
+def verify_inference_copy(model: nn.Module, path: Path, args, num_classes: int) -> str:
+    """Rank 0: the last checkpoint loaded into a new plain model (no DDP) has the weights."""
+    plain = build_model(args, num_classes).to(args.dtype)
+    plain.load_state_dict(read_checkpoint(path)["model"])
+    trained = model.state_dict()
+    same = all(torch.equal(v, trained[k].cpu()) for k, v in plain.state_dict().items())
+    check(same, "inference copy", f"a plain model from {path.name} has other weights")
+    return f"a plain model loads the same from {path.name}"
+
+
+def report(sums: torch.Tensor, where: str, state: TrainState, d: Dist) -> tuple[float, float]:
+    """The loss and accuracy in all-reduced sums, checked finite on every rank; rank 0 prints
+    them after where (if any)."""
+    loss_sum, correct, count = sums.tolist()
+    diverged = f"the loss is not finite at step {state.step}: lower --lr"
+    check(math.isfinite(loss_sum), "finite loss", diverged)  # all-reduced: all stop together
+    if d.rank == 0 and where:
+        lr, acc = state.scheduler.get_last_lr()[0], 100 * correct / count
+        print(f"{where}  loss {loss_sum / count:.4f}  acc {acc:5.1f}%  lr {lr:.4f}", flush=True)
+    return loss_sum / count, correct / count
+
+
+def clock(d: Dist) -> float:
+    if d.device.type == "cuda":
+        torch.cuda.synchronize(d.device)  # GPU work is queued: time what has finished
+    return time.perf_counter()
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader: DataLoader, args, d: Dist) -> dict:
+    # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
+    model.eval()
+    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, images
+    for images, labels in loader:
+        images = images.to(d.device, dtype=args.dtype, non_blocking=True)
+        labels = labels.to(d.device, non_blocking=True)
+        logits = model(images)
+        sums[0] += F.cross_entropy(logits.double(), labels, reduction="sum")
+        sums[1] += (logits.argmax(1) == labels).sum()
+        sums[2] += len(labels)
+    dist.all_reduce(sums)  # every rank calls this once, whatever its number of batches
+    loss_sum, correct, count = sums.tolist()
+    return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
+
+
+def describe(train: dict, val: dict | None) -> str:
+    line = f"train loss {train['loss']:.4f} acc {100 * train['acc']:.1f}%"
+    if val:
+        line += f" | val loss {val['loss']:.4f} acc {100 * val['acc']:.1f}% on {val['n']} images"
+    return line
+
+
+# ---- checks and the summary ---------------------------------------------------------------
 def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
     """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
     flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in model.state_dict().values()])
     digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    check(
-        len(set(digests)) == 1,
-        "identical replicas",
-        f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}",
-    )
+    differ = f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}"
+    check(len(set(digests)) == 1, "identical replicas", differ)
     return (
         f"{d.world_size} rank(s) hold identical parameters and buffers "
         f"({flat.numel():,} values, sha256 {digest[:16]})"
     )
+
+
+def summary(history: list, state: TrainState, d: Dist) -> str:
+    (first, _), (last, last_val) = history[0], history[-1]
+    images = sum(train["images"] for train, _ in history)
+    seconds = sum(train["seconds"] for train, _ in history)
+    speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # step 1 is not timed
+    line = (
+        f"summary: {state.step} steps, {speed} on {d.world_size} rank(s) (from each epoch's "
+        f"step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
+        f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
+    )
+    return line + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else "")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    except OSError as e:  # a full disk, say: name the file, not a traceback
+        tmp.unlink(missing_ok=True)
+        raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -517,18 +806,40 @@ def build_parser() -> argparse.ArgumentParser:
     add(c, "--checkpoint-dir", "on storage every node sees", type=Path, default=Path("checkpoints"))
     add(c, "--save-every", "also save every N steps, mid-epoch", type=number(int, 1), default=20)
     add(c, "--keep", "newest checkpoints kept", type=number(int, 1), default=3)
-    what = "the last rank SIGKILLs itself at this global step, first attempt only"
+    what = "the last rank SIGKILLs itself at this global step, in a run that did not resume"
     add(c, "--simulate-failure", what, type=number(int, 1), metavar="STEP")
+    m = parser.add_argument_group("model")
+    models = sorted(torchvision.models.list_models(module=torchvision.models))
+    add(m, "--arch", "any torchvision classifier", default="resnet18", choices=models, metavar="A")
+    add(m, "--norm", "group: GroupNorm, resnet family", default="batch", choices=["batch", "group"])
+    add(m, "--sync-bn", "BatchNorm over the global batch (GPUs)", action="store_true")
+    add(m, "--unused-layer", "a layer forward never calls", action="store_true")
+    g = parser.add_argument_group("data (default: synthetic images, made in memory)")
+    add(g, "--data", "an ImageFolder tree: DIR/train, DIR/val", type=Path, metavar="DIR")
+    add(g, "--train-size", "synthetic training images", type=number(int, 1), default=4096)
+    add(g, "--val-size", "synthetic validation images, 0: none", type=number(int, 0), default=1024)
+    add(g, "--num-classes", "synthetic classes", type=number(int, 2), default=10)
+    add(g, "--image-size", "image side in pixels", type=number(int, 1), default=32)
+    auto = "(default: 0 on CPU, else the cores, up to 8)"
+    add(g, "--workers", f"DataLoader workers per process {auto}", type=number(int, 0))
     t = parser.add_argument_group("training")
-    add(t, "--epochs", "epochs to train", type=number(int, 1), default=3)
-    add(t, "--train-size", "images", type=number(int, 1), default=2048)
-    add(t, "--batch-size", "per process", type=number(int, 1), default=32)
-    add(t, "--lr", "AdamW's", type=number(float, 0), default=3e-3)
-    add(t, "--weight-decay", "AdamW's", type=number(float, 0), default=0.01)
-    add(
-        t, "--amp", "autocast dtype; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES]
-    )
-    add(t, "--seed", "weights, data, order", type=number(int, 0), default=0)
+    add(t, "--epochs", "passes over the data", type=number(int, 1), default=3)
+    add(t, "--batch-size", "images per micro-batch, per process", type=number(int, 1), default=128)
+    add(t, "--accum-steps", "micro-batches per step, under no_sync", type=number(int, 1), default=1)
+    add(t, "--lr", "the one-cycle schedule's peak", type=number(float, 0), default=0.05)
+    add(t, "--weight-decay", "SGD's", type=number(float, 0), default=5e-4)
+    add(t, "--amp", "autocast; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES])
+    add(t, "--float64", "for sharp equivalence checks (slow)", action="store_true")
+    what = "model.compile() before DDP, with this backend (left out: inductor)"
+    add(t, "--compile", what, nargs="?", const="inductor", metavar="BACKEND")
+    add(t, "--seed", "seeds weights and data", type=number(int, 0), default=0)
+    add(t, "--log-every", "steps between progress lines", type=number(int, 1), default=10)
+    add(t, "--save-model", "rank 0 saves the weights there", type=output_file, metavar="PATH")
+    k = parser.add_argument_group("DDP knobs")
+    add(k, "--bucket-cap-mb", "size of the all-reduce buckets", type=number(float, 0), default=25.0)
+    add(k, "--find-unused-parameters", "for parameters that get no gradient", action="store_true")
+    add(k, "--static-graph", "the same parameters are used every step", action="store_true")
+    add(k, "--gradient-as-bucket-view", "gradients live in the buckets", action="store_true")
     add_launch_args(parser)
     return parser
 
@@ -538,6 +849,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.amp == "fp16" and not torch.cuda.is_available():
         parser.error("--amp fp16 needs CUDA (float16 autocast, GradScaler); on CPU use bf16")
+    if args.sync_bn and not torch.cuda.is_available():
+        parser.error("--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group")
+    if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
+        parser.error(
+            f"--data {args.data}: expected folders {args.data}/train and {args.data}/val, "
+            f"one sub-folder per class"
+        )
+    if args.float64 and args.amp != "none":
+        parser.error("--float64 and --amp pick opposite precisions; use one")
+    args.dtype = torch.float64 if args.float64 else torch.float32
     return args
 
 
@@ -552,6 +873,20 @@ def number(cast, low: float, high: float = 2**32):
 
     parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
+
+
+def output_file(text: str) -> Path:
+    """An argparse type for a file this run writes: tried now (folder made, file created)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tempfile.TemporaryFile(dir=path.parent).close()
+    except OSError as e:
+        why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
+        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
+    return path
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -682,7 +1017,4 @@ def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> tor
 
 
 if __name__ == "__main__":
-    try:
-        launch(main, parse_args())
-    except SystemExit as e:  # --spawn: a rank died; its checkpoints stay, so the same command
-        sys.exit(f"{e.code}; run the same command to resume" if isinstance(e.code, str) else e.code)
+    launch(main, parse_args())

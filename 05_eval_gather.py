@@ -14,6 +14,7 @@ Run
   torchrun --standalone --nproc_per_node 2 05_eval_gather.py --verify
   python 05_eval_gather.py --spawn 3 --val-size 103 --metrics-json metrics.json
   python 05_eval_gather.py --checkpoint model.pt      # a model saved by 03_ddp_train.py
+  python 05_eval_gather.py --checkpoint checkpoints/step-00000096.pt  # or a 04 checkpoint
   # two nodes, 2 processes each: run on both machines
   torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 05_eval_gather.py
@@ -220,12 +221,12 @@ def build_model(args: argparse.Namespace, num_classes: int, d: Dist) -> nn.Modul
                 f"--checkpoint {path}: torch.load cannot read it "
                 f"({type(e).__name__}: {str(e).splitlines()[0][:120]})"
             ) from e
-        if not (
-            isinstance(state, dict)
-            and state
-            and all(isinstance(v, torch.Tensor) for v in state.values())
-        ):
-            raise SetupError(f"--checkpoint {path}: not a state_dict (a dict of tensors)")
+        if isinstance(state, dict) and {"model", "optimizer", "step"} <= state.keys():
+            state = state["model"]  # a 04_checkpoint.py checkpoint: the model in the state
+        tensors = isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())
+        if not (tensors and state):
+            why = "not a model's state_dict (03 --save-model) or a 04 checkpoint"
+            raise SetupError(f"--checkpoint {path}: {why}")
         state = {k.removeprefix("module."): v for k, v in state.items()}
         try:
             model.load_state_dict(state)

@@ -134,6 +134,9 @@ MATRIX = {  # name: (processes, accumulation steps, knobs)
     "find+unused+view": (3, 1, [FIND, UNUSED, VIEW]),
     "find+accum+small_buckets": (3, 2, [FIND, *SMALL_BUCKETS]),
     "small_buckets+accum+view": (3, 2, [*SMALL_BUCKETS, VIEW]),
+    # model.compile() before DDP (aot_eager: no C compiler needed): DDPOptimizer splits the
+    # graph at the buckets, and the result is still one process's
+    "compile+accum": (2, 2, ["--compile", "aot_eager"]),
 }
 
 
@@ -192,6 +195,30 @@ def test_knob_combinations_train_like_one_process_with_the_whole_batch(name, mat
     diff = max((distributed[k] - reference[k]).abs().max().item() for k in reference)
     print(f"{name}: max abs difference from one process: {diff:.3g}")
     assert diff < 1e-9, f"{name}: {diff:.3g} from one process with the whole batch"
+
+
+def test_random_augmentation_on_two_ranks_with_workers_equals_one_process(tmp_path):
+    # Each image's random crop and flip come from its own seed (run, epoch, index), not from
+    # the stream of the worker or rank that loads it: so N processes train on exactly what one
+    # would, with --data and DataLoader workers too (GroupNorm, float64: the sums are exact).
+    from PIL import Image
+
+    for split, count in (("train", 6), ("val", 2)):
+        for name, rgb in (("red", (200, 40, 40)), ("blue", (40, 40, 200))):
+            (tmp_path / split / name).mkdir(parents=True)
+            for i in range(count):
+                image = Image.new("RGB", (24 + 3 * i, 20 + 2 * i), rgb)
+                image.putpixel((i, i), (255, 255, 255))
+                image.save(tmp_path / split / name / f"{i}.png")
+    args = [*EQUIV, "--data", tmp_path, "--workers", 2]  # (--data: the sizes do not apply)
+    models = {}
+    for nproc in (1, 2):
+        path = tmp_path / f"{nproc}.pt"
+        r = forked(SCRIPT, *args, "--batch-size", 6 // nproc, "--save-model", path, nproc=nproc)
+        assert "12 train / 4 val images" in r.ok().stdout
+        models[nproc] = torch.load(path, weights_only=True)
+    diff = max((models[2][k] - models[1][k]).abs().max().item() for k in models[1])
+    assert diff < 1e-9, diff
 
 
 # --- single runs of the other knobs ----------------------------------------------------------

@@ -100,6 +100,19 @@ def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
     )
 
 
+def test_a_04_checkpoint_scores_what_04_reported(tmp_path):
+    # 04 saves the whole training state; 05 takes the model out of it
+    args = ["--image-size", 16, "--train-size", 96, "--val-size", 50, "--batch-size", 16]
+    trained = forked("04_checkpoint.py", *args, "--epochs", 1, "--checkpoint-dir", tmp_path,
+                     nproc=2).ok()  # fmt: skip
+    reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 50 images", trained.stdout)
+    checkpoint = tmp_path / "step-00000003.pt"  # 48 images a rank in batches of 16
+    r = forked(SCRIPT, "--checkpoint", checkpoint, "--val-size", 50, *COMMON, nproc=2).ok()
+    mine = re.search(r"exact:  accuracy \d+/50 = ([\d.]+)%  loss ([\d.]+)", r.stdout)
+    assert float(mine[1]) == pytest.approx(float(reported[2]), abs=0.05)
+    assert float(mine[2]) == pytest.approx(float(reported[1]), abs=6e-5)
+
+
 def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
     import torch
 
@@ -109,7 +122,10 @@ def test_missing_or_unreadable_checkpoint_is_a_clear_error(tmp_path):
     for path, message in [
         ("/nonexistent/model.pt", "--checkpoint /nonexistent/model.pt: no such file"),
         (text, f"--checkpoint {text}: torch.load cannot read it ("),
-        (tensor, f"--checkpoint {tensor}: not a state_dict (a dict of tensors)"),
+        (
+            tensor,
+            f"--checkpoint {tensor}: not a model's state_dict (03 --save-model) or a 04 checkpoint",
+        ),
     ]:
         r = forked(SCRIPT, "--checkpoint", path, "--val-size", 8, *COMMON).failed()
         assert f"[rank 0] error: {message}" in r.stderr

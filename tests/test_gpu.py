@@ -161,7 +161,8 @@ def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
     # P = min(W, 2): 512 images in batches of 32 per process are 16 / P steps per epoch, 32
     # or 16 in all; the failure at step 10 comes after the save at step 8, on both.
     nproc = min(GPUS, 2)
-    args = ("--amp", "fp16", "--train-size", 512, "--epochs", 2, "--save-every", 4)
+    args = ("--amp", "fp16", "--train-size", 512, "--batch-size", 32, "--epochs", 2)
+    args += ("--save-every", 4)
     straight = gpu_run(
         "04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "a", nproc=nproc
     ).ok()
