@@ -502,7 +502,9 @@ class Checkpoints:
         dist.all_gather_object(names, path and path.name)
         same = "is --checkpoint-dir the same folder on every node?"
         check(len(set(names)) == 1, "one checkpoint", f"ranks chose {names}; {same}")
-        if skipped and not saved:  # never silently start from scratch over checkpoints
+        # never start from scratch over a finished checkpoint (one with its sha256) that no
+        # longer verifies; one whose write was cut short (no sha256 yet) was never finished
+        if not saved and any(marker(self.path(step)).exists() for step in self.steps()):
             none = f"{self.dir} holds {len(skipped)} checkpoint(s) and none is readable"
             raise SetupError(f"{none} ({'; '.join(skipped)}). Move them away to start over")
         if d.rank == 0:

@@ -113,7 +113,7 @@ def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
 
 def test_a_signal_that_was_ignored_stays_ignored(tmp_path):
     # nohup ignores SIGHUP so that a job outlives its terminal: the script keeps it so
-    args = [*LONG[:-6], "--epochs", 20, "--timeout", 60]
+    args = [*LONG[:-6], "--epochs", 6, "--timeout", 60]
     job = Watched("03_ddp_train.py", *args, ignore=[signal.SIGHUP])
     job.wait_for("epoch 1 done")
     os.kill(job.proc.pid, signal.SIGHUP)
