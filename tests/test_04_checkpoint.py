@@ -78,7 +78,7 @@ def reference(tmp_path_factory):
     "nproc, options, fail_at, saved",
     [
         (1, [], 7, [3, 6]),  # mid-epoch, one process (8 steps an epoch)
-        (1, ["--arch", "resnet18"], 4, [3]),  # 03's default model
+        (1, ["--arch", "resnet18"], 7, [3, 6]),  # 03's default model
         (2, ["--accum-steps", 2], 3, [2]),  # two ranks, accumulation (2 steps an epoch)
         (2, ["data"], 6, [3, 4]),  # ImageFolder, random augmentation, 2 workers per rank
     ],
