@@ -486,13 +486,18 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
 
 
 def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
-    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
+    affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
+    mine, parents = affinity(0), affinity(os.getppid())  # the cores each may run on
+    # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
+    # else (torchrun, mp.spawn) the node's processes share them
+    torch.set_num_threads(len(mine) if mine < parents else max(1, len(mine) // local_world))
     if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
-        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
-        torch.set_num_threads(max(1, len(cores) // local_world))
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
+    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
     torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default

@@ -82,13 +82,7 @@ def main(args: argparse.Namespace) -> None:
         gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
     )
     torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
-    # fused (GPUs): one kernel per step, and fp16's GradScaler.step then needs no .item()
-    fused = d.device.type == "cuda"
-    optimizer = torch.optim.SGD(
-        model.parameters(), args.lr, momentum=0.9, weight_decay=args.weight_decay, fused=fused
-    )
-    for p in model.parameters():  # zeros, not fused SGD's torch.empty_like: see NOTES.md
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    optimizer = build_optimizer(model, args, fused=d.device.type == "cuda")
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, args.lr, steps_per_epoch * args.epochs
     )
@@ -181,10 +175,8 @@ class SyntheticImages(Dataset):
 def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
     """The training loader with its DistributedSampler, and this rank's validation loader."""
     workers = args.workers
-    if workers is None:  # CPU: the cores train, not workers; GPU: the node's cores, shared
-        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1
-        local_world = int(os.environ["LOCAL_WORLD_SIZE"])
-        workers = 0 if d.device.type == "cpu" else min(8, cores // local_world)
+    if workers is None:  # CPU: the cores train, not workers; GPU: this process's cores
+        workers = 0 if d.device.type == "cpu" else min(8, torch.get_num_threads())
     common = dict(
         batch_size=args.batch_size,
         num_workers=workers,
@@ -256,6 +248,19 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
         model.unused_layer = nn.Linear(8, 8)
     return model
+
+
+def build_optimizer(model: nn.Module, args: argparse.Namespace, fused: bool) -> torch.optim.SGD:
+    """SGD with momentum; fused (GPUs): one kernel per step, and fp16's GradScaler.step then
+    needs no .item()."""
+    optimizer = torch.optim.SGD(
+        model.parameters(), args.lr, momentum=0.9, weight_decay=args.weight_decay, fused=fused
+    )
+    # Momentum buffers made now, as zeros: fused SGD makes missing ones with torch.empty_like
+    # and keeps them unwritten if the first step is skipped (fp16 overflow): see NOTES.md
+    for p in model.parameters():
+        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
+    return optimizer
 
 
 @dataclass
@@ -602,13 +607,18 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
 
 
 def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
-    """NCCL: this process's GPU, bound before init; Gloo: the CPU, its share of the cores."""
+    """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
+    affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
+    mine, parents = affinity(0), affinity(os.getppid())  # the cores each may run on
+    # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
+    # else (torchrun, mp.spawn) the node's processes share them
+    torch.set_num_threads(len(mine) if mine < parents else max(1, len(mine) // local_world))
     if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
-        cores = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else [0]
-        torch.set_num_threads(max(1, len(cores) // local_world))
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    if gpus != 1 and local_world > gpus:  # one GPU: a launcher gave each process its own
+    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
+    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
     torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default

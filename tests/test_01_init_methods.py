@@ -165,11 +165,17 @@ def test_a_rendezvous_file_that_is_surely_stale_is_refused_at_start(world, age, 
     stale.write_bytes(b"left by a job that was killed")
     os.utime(stale, (time.time() - age, time.time() - age))
     args = ["--init-method", f"file://{stale}", "--rank", "0", "--world-size", str(world)]
+    started = time.time()
     r = forked(SCRIPT, *args, "--timeout", "60", timeout=30).failed()
-    assert r.stderr.strip().splitlines() == [
-        f"[rank 0] error: {stale} is left by an earlier job (last written {age}s ago): delete it "
-        f"or use a fresh path"
-    ], r
+    [line] = r.stderr.strip().splitlines()
+    written = re.fullmatch(
+        rf"\[rank 0\] error: {re.escape(str(stale))} is left by an earlier job \(last written "
+        r"(\d+)s ago\): delete it or use a fresh path",
+        line,
+    )
+    assert written, r
+    # its age when the rank looked: from the age it was given to that plus the launch's time
+    assert age <= int(written[1]) <= age + round(time.time() - started) + 1, r
     assert r.seconds < 15, r
 
 
@@ -427,6 +433,7 @@ def test_each_rank_binds_its_gpu_or_the_one_it_was_given(gpus, rank, world, devi
     # its own, as cuda:0; else local rank r takes cuda:r. Faked counts, in this process:
     # bind_device makes no CUDA call but set_device.
     bound = []
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")  # as srun sets it for each task
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
@@ -434,21 +441,39 @@ def test_each_rank_binds_its_gpu_or_the_one_it_was_given(gpus, rank, world, devi
     assert [str(d) for d in bound] == [device]
 
 
-def test_more_processes_than_gpus_is_refused(monkeypatch):
+@pytest.mark.parametrize("gpus, world, visible", [(2, 4, "0,1"), (1, 2, None)])
+def test_more_processes_than_gpus_is_refused(gpus, world, visible, monkeypatch):
+    # (1, 2, None): torchrun --nproc_per_node 2 on a one-GPU workstation; both ranks would
+    # bind cuda:0 and NCCL would fail at init ("Duplicate GPU detected")
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     script = load_script(SCRIPT)
     with pytest.raises(script.SetupError) as error:
-        script.bind_device(0, 4)
-    assert str(error.value) == "4 processes here, 2 GPU(s): NCCL needs a GPU each"
+        script.bind_device(0, world)
+    assert str(error.value) == f"{world} processes here, {gpus} GPU(s): NCCL needs a GPU each"
 
 
-def test_gloo_shares_the_cores_among_the_processes_of_a_node(monkeypatch):
-    threads = []
-    monkeypatch.setattr(torch, "set_num_threads", threads.append)
-    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(16)))
-    assert str(load_script(SCRIPT).bind_device(1, 4, "gloo")) == "cpu"
-    assert threads == [4]
+@pytest.mark.parametrize(
+    "mine, parents, local_world, threads",
+    [
+        (range(16), range(16), 4, 4),  # torchrun, mp.spawn: the node's cores, shared
+        (range(2), range(2), 4, 1),  # more processes than cores: one thread each
+        (range(8, 16), range(64), 4, 8),  # srun --cpus-per-task=8: its own 8 cores
+        (range(64), range(8, 16), 4, 16),  # wider than its parent: shared all the same
+    ],
+)
+def test_each_process_gets_its_share_of_the_cores(mine, parents, local_world, threads, monkeypatch):
+    # the affinity is faked (this machine has few cores), the decision is the script's
+    set_threads = []
+    affinity = {0: set(mine), os.getppid(): set(parents)}
+    monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
+    monkeypatch.setattr(os, "sched_getaffinity", affinity.__getitem__)
+    assert str(load_script(SCRIPT).bind_device(1, local_world, "gloo")) == "cpu"
+    assert set_threads == [threads]
 
 
 def test_bad_argument_exits_2_from_the_command_line():
@@ -488,3 +513,24 @@ def test_a_second_machines_rank_without_its_local_rank_is_told_what_to_pass(monk
         ]
     )
     assert (args.local_rank, args.local_world_size) == (0, 2)
+
+
+def test_a_node_rank_on_two_machines_fails_the_table_check():
+    # two machines, 2 processes each, launched by hand without --local-rank: ranks 2 and 3
+    # default to local ranks 2 and 3 of a 4-process node, node 0, on the second machine.
+    # The rows are the gathered table as such a launch would give it.
+    script = load_script(SCRIPT)
+    rows = [
+        dict(rank=r, local_rank=r, node_rank=0, world_size=4, host=host)
+        for r, host in enumerate(["gpu-a", "gpu-a", "gpu-b", "gpu-b"])
+    ]
+    with pytest.raises(script.CheckFailed) as failed:
+        script.verify_table(rows, 4)
+    assert str(failed.value) == (
+        "nodes: node rank(s) {0: ['gpu-a', 'gpu-b']} span several machines: by hand on several "
+        "machines, give each process --local-rank and --local-world-size"
+    )
+    # with them, rank 2 is local 0 of node 1 and rank 3 local 1: the table holds
+    for row, local in zip(rows[2:], (0, 1)):
+        row.update(local_rank=local, node_rank=1)
+    script.verify_table(rows, 4)

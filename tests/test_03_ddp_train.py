@@ -438,3 +438,29 @@ def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
             f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
             f"unused_layer.weight"
         ) in r.stderr
+
+
+def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has_it():
+    # fp16 on GPUs: GradScaler starts at 2**16, so the first step often overflows and is
+    # skipped. Fused SGD would have made its momentum buffers with torch.empty_like and left
+    # them unwritten (garbage, different per rank). The same fused path runs on CPU here.
+    script = load_script(SCRIPT)
+    args = script.parse_args(["--lr", "0.1", "--weight-decay", "0"])
+    model = torch.nn.Linear(4, 2)
+    optimizer = script.build_optimizer(model, args, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
+    scaler.step(optimizer)  # inf gradients: skipped
+    scaler.update()
+    assert scaler.get_scale() == 2.0**15  # the overflow was seen and the scale halved
+    for p in model.parameters():
+        assert torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p))
+    # the next step starts from zero momentum: the buffer is exactly the first real gradient
+    before = [p.detach().clone() for p in model.parameters()]
+    optimizer.zero_grad()
+    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
+    scaler.step(optimizer)
+    grads = [torch.ones(2, 4), torch.ones(2)]  # d(sum(W x + b))/dW, /db for x = ones
+    for p, old, grad in zip(model.parameters(), before, grads):
+        assert torch.equal(optimizer.state[p]["momentum_buffer"], grad)
+        assert torch.allclose(p.detach(), old - 0.1 * grad)
