@@ -113,12 +113,8 @@ def main(args: argparse.Namespace) -> None:
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if args.save_model:
-        if d.rank == 0:
-            buffer = io.BytesIO()
-            torch.save(model.state_dict(), buffer)  # the plain model: keys without "module."
-            write_atomic(args.save_model, buffer.getvalue())
-        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
+    if args.save_model:  # the plain model: keys without "module."
+        rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
         print(summary(history, state, d))
         saved = f"; rank 0 saved them to {args.save_model}" if args.save_model else ""
@@ -387,6 +383,23 @@ def summary(history: list, state: TrainState, d: Dist) -> str:
         f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
     )
     return line + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else "")
+
+
+def rank0_writes(path: Path, save, d: Dist) -> None:
+    """Rank 0 runs save(file) into memory and writes the result to path whole (write_atomic);
+    then every rank raises rank 0's error, if any. The others wait for that outcome, not in
+    a barrier, where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
 
 
 def write_atomic(path: Path, data: bytes) -> None:

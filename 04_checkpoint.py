@@ -143,12 +143,8 @@ def main(args: argparse.Namespace) -> None:
     if d.rank == 0:  # the last checkpoint as an inference job loads it: a plain model
         last = checkpoints.path(checkpoints.steps()[0])
         verified += "; " + verify_inference_copy(model, last, args, num_classes)
-    if args.save_model:
-        if d.rank == 0:
-            buffer = io.BytesIO()
-            torch.save(model.state_dict(), buffer)  # the plain model: keys without "module."
-            write_atomic(args.save_model, buffer.getvalue())
-        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
+    if args.save_model:  # the plain model: keys without "module."
+        rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
         done = f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir"
         print(summary(history, state, d) if history else done)
@@ -781,6 +777,23 @@ def summary(history: list, state: TrainState, d: Dist) -> str:
         f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
     )
     return line + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else "")
+
+
+def rank0_writes(path: Path, save, d: Dist) -> None:
+    """Rank 0 runs save(file) into memory and writes the result to path whole (write_atomic);
+    then every rank raises rank 0's error, if any. The others wait for that outcome, not in
+    a barrier, where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
 
 
 def write_atomic(path: Path, data: bytes) -> None:

@@ -28,6 +28,7 @@ import argparse
 import atexit
 import contextlib
 import datetime
+import io
 import json
 import math
 import os
@@ -129,20 +130,16 @@ def main(args: argparse.Namespace) -> None:
                 f"{100 * naive_correct / naive_n:.2f}%  (DistributedSampler pads {naive_n - n}"
                 f" repeat(s) so every rank holds {naive_n // d.world_size}; they count twice)"
             )
-        if args.metrics_json:
-            write_atomic(args.metrics_json, (json.dumps(metrics, indent=1) + "\n").encode())
-        if args.predictions:
-            write_atomic(
-                args.predictions,
-                (
-                    "index,label,prediction\n"
-                    + "".join(f"{i},{y},{p}\n" for i, p, y in table.tolist())
-                ).encode(),
-            )
+    if args.metrics_json:
+        text = json.dumps(metrics, indent=1) + "\n"
+        rank0_writes(args.metrics_json, lambda f: f.write(text.encode()), d)
+    if args.predictions:
+        rows = "".join(f"{i},{y},{p}\n" for i, p, y in table.tolist())
+        text = "index,label,prediction\n" + rows
+        rank0_writes(args.predictions, lambda f: f.write(text.encode()), d)
     verified = f"{n} samples counted once, all_gather agrees with all_reduce"
     if args.verify:
         verified += "; " + verify_against_one_process(model, dataset, args, d, metrics)
-    dist.barrier()
     if d.rank == 0:
         print(f"verified: {verified}", flush=True)
 
@@ -160,14 +157,10 @@ def build_dataset(args: argparse.Namespace):
         raise SetupError(
             f"--data {args.data}: expected a folder {root} with one sub-folder per class"
         )
-    transform = T.Compose(
-        [
-            T.Resize(round(args.image_size * 256 / 224)),
-            T.CenterCrop(args.image_size),
-            T.ToTensor(),
-            T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
-        ]
-    )
+    # 03's validation transform: resize, centre crop, ImageNet's normalisation
+    norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
+    resize = round(args.image_size * 256 / 224)
+    transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
     try:
         dataset = ImageFolder(root, transform=transform)
     except (FileNotFoundError, RuntimeError) as e:
@@ -190,9 +183,8 @@ class SyntheticImages(Dataset):
         patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
         g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
         self.labels = torch.randint(num_classes, (size,), generator=g)
-        self.images = patterns[self.labels] + 1.5 * torch.randn(
-            size, 3, image_size, image_size, generator=g
-        )
+        noise = torch.randn(size, 3, image_size, image_size, generator=g)
+        self.images = patterns[self.labels] + 1.5 * noise
         self.classes = list(range(num_classes))
 
     def __len__(self) -> int:
@@ -343,30 +335,45 @@ def naive_padded_metrics(table: torch.Tensor, n: int, world_size: int) -> tuple[
 
 
 def verify_against_one_process(model, dataset, args, d: Dist, metrics: dict) -> str:
-    """Rank 0 evaluates the whole set alone and compares."""
-    # Counts must match exactly; the loss within 1e-6, not bit for bit: rank 0 alone runs
-    # other batch shapes than the shards did, and kernels may order a sum differently per
-    # shape (on CPUs and, even with TF32 off and deterministic cuDNN, on GPUs).
-    # Only rank 0 works here; the others wait in the barrier below, which is the right
-    # place to wait. Evaluating on rank 0 alone while the others are already inside a
-    # collective (an all_reduce of their results, say) is the classic evaluation hang.
-    if d.rank == 0:
-        num_classes = len(dataset.classes)
-        sums, _ = evaluate_shard(model, dataset, range(len(dataset)), args, d, num_classes)
-        alone = metrics_from_sums(sums, num_classes)
-        for key in ("num_samples", "correct", "per_class_correct", "per_class_total"):
-            check(
-                alone[key] == metrics[key],
-                "equal to one process",
-                f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone",
-            )
+    """Every rank evaluates the whole set alone and compares."""
+    # Counts must match exactly; the loss closely, not bit for bit: one process runs other
+    # batch shapes than the shards did, and kernels may order a sum differently per shape
+    # (on CPUs and, even with TF32 off and deterministic cuDNN, on GPUs).
+    # Every rank does it, each on its own device or share of the cores, in the time one
+    # would take. Rank 0 alone would keep the others waiting in a collective: past
+    # --timeout if its evaluation is long, and for --timeout again if it fails.
+    num_classes = len(dataset.classes)
+    sums, _ = evaluate_shard(model, dataset, range(len(dataset)), args, d, num_classes)
+    alone = metrics_from_sums(sums, num_classes)
+    for key in ("num_samples", "correct", "per_class_correct", "per_class_total"):
         check(
-            abs(alone["loss"] - metrics["loss"]) < 1e-6,
+            alone[key] == metrics[key],
             "equal to one process",
-            f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone",
+            f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone",
         )
-    dist.barrier()
-    return "identical to a one-process evaluation (counts exact, loss within 1e-6)"
+    check(
+        math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9),
+        "equal to one process",
+        f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone",
+    )
+    return "identical to a one-process evaluation (counts exact, loss to 1e-6 relative)"
+
+
+def rank0_writes(path: Path, save, d: Dist) -> None:
+    """Rank 0 runs save(file) into memory and writes the result to path whole (write_atomic);
+    then every rank raises rank 0's error, if any. The others wait for that outcome, not in
+    a barrier, where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
 
 
 def write_atomic(path: Path, data: bytes) -> None:

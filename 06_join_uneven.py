@@ -80,13 +80,9 @@ def main(args: argparse.Namespace) -> None:
     everyone = [None] * d.world_size
     dist.all_gather_object(everyone, result)
     notes = verify(everyone, counts, args)
-    if args.save_model:
-        if d.rank == 0:
-            buffer = io.BytesIO()
-            torch.save(module.state_dict(), buffer)  # the plain model: keys without "module."
-            write_atomic(args.save_model, buffer.getvalue())
-            notes.append(f"rank 0 saved the weights to {args.save_model}")
-        dist.barrier()  # nobody exits (or reads the file) before rank 0 has written it
+    if args.save_model:  # the plain model: keys without "module."
+        rank0_writes(args.save_model, lambda f: torch.save(module.state_dict(), f), d)
+        notes.append(f"rank 0 saved the weights to {args.save_model}")
     if d.rank == 0:
         print("steps per rank: " + ", ".join(f"{r}: {e['steps']}" for r, e in enumerate(everyone)))
         print(f"verified: {'; '.join(notes)}", flush=True)
@@ -234,9 +230,8 @@ class StepGuard(Joinable, JoinHook):
         ranks reach it only after DDP's forward collectives, which this rank shadows next)."""
         if self.pending:  # the previous step's, long done: the others have stepped since
             self.pending.wait()
-        self.pending = dist.all_reduce(
-            torch.zeros(1, dtype=torch.int64), group=self.group, async_op=True
-        )
+        none_bad = torch.zeros(1, dtype=torch.int64)
+        self.pending = dist.all_reduce(none_bad, group=self.group, async_op=True)
 
     def post_hook(self, is_last_joiner: bool) -> None:
         if self.pending:
@@ -353,6 +348,23 @@ def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) ->
     return total / (len(counts) if args.divide_by_initial else len(active))
 
 
+def rank0_writes(path: Path, save, d: Dist) -> None:
+    """Rank 0 runs save(file) into memory and writes the result to path whole (write_atomic);
+    then every rank raises rank 0's error, if any. The others wait for that outcome, not in
+    a barrier, where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     """The whole file or nothing: written beside it, synced, then renamed over it."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
@@ -385,14 +397,8 @@ def build_parser() -> argparse.ArgumentParser:
     add(parser, "--batches-per-rank", counts, type=numbers(","), metavar="N0,N1,...")
     add(parser, "--batch-size", "samples per batch", type=number(int, 1), default=2)
     what = "average gradients over all ranks, or over those still active"
-    add(
-        parser,
-        "--divide-by-initial-world-size",
-        what,
-        dest="divide_by_initial",
-        default=True,
-        action=argparse.BooleanOptionalAction,
-    )
+    how = dict(dest="divide_by_initial", default=True, action=argparse.BooleanOptionalAction)
+    add(parser, "--divide-by-initial-world-size", what, **how)
     what = "make that rank's loss NaN at that step (from 0); join modes"
     add(parser, "--nonfinite-at", what, type=numbers(":"), dest="nonfinite", metavar="RANK:STEP")
     add(parser, "--lr", "SGD's learning rate", type=number(float, 0), default=0.01)

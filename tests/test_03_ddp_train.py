@@ -413,10 +413,11 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     # torch.save straight to the file failed with a RuntimeError traceback naming no file.
     model = tmp_path / "model.pt"
     model.write_bytes(b"an earlier run's weights")
-    r = run(SCRIPT, *TINY, "--save-model", model, file_size_kb=1024).failed()
-    assert r.stderr.strip().splitlines() == [
-        f"[rank 0] error: cannot write {model}: File too large"
-    ], r
+    # Two ranks: rank 0 writes alone and every rank is told how that went, so each ends
+    # with rank 0's line (after a barrier, on NCCL, the others would wait for --timeout).
+    r = run(SCRIPT, *TINY, "--spawn", 2, "--save-model", model, file_size_kb=1024).failed()
+    ranks = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    assert ranks == [f"[rank {i}] error: cannot write {model}: File too large" for i in (0, 1)], r
     assert model.read_bytes() == b"an earlier run's weights"
     assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
 

@@ -185,7 +185,7 @@ def test_05_sharded_evaluation_equals_one_process():
     assert (
         r.stdout.strip()
         .splitlines()[-1]
-        .endswith("identical to a one-process evaluation (counts exact, loss within 1e-6)")
+        .endswith("identical to a one-process evaluation (counts exact, loss to 1e-6 relative)")
     ), r
 
 
