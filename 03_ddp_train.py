@@ -61,6 +61,9 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp none: no a
 
 def main(args: argparse.Namespace) -> None:
     d = setup(args.timeout)
+    # GPUs: cuDNN times its algorithms once per input shape and keeps the fastest; training's
+    # shapes never change (drop_last). 04 leaves it off: its resumed run must pick the same.
+    torch.backends.cudnn.benchmark = d.device.type == "cuda"
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps

@@ -9,7 +9,9 @@
 Ratios b/a and c/a say how much of the bound DDP plus the script's data and logging path
 keep. Every clock is read after the GPU has finished its queued work (a synchronize in the
 bound, and in 03 after each epoch's first step and at its end), and 03's training set grows
-with the process count (16 steps per epoch), so the ratios mean the same at 2 processes or 8.
+with the process count (16 steps per epoch, or as many as --seconds of the bound's work
+where that is more: on a GPU), so the ratios mean the same at 2 processes or 8. The bound
+uses 03's optimizer (fused SGD on GPUs) and, like 03 on GPUs, cudnn.benchmark.
 Run from the repo root:
 
   python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import platform
 import re
@@ -49,12 +52,15 @@ def bound_worker(args: argparse.Namespace) -> None:
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
-    else:
-        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
+        torch.backends.cudnn.benchmark = True  # as 03 does on GPUs: fixed shapes, fastest kernels
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.arch, num_classes=10).to(device)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
+    # 03's optimizer: fused on GPUs (one kernel per step), weight decay as 03's default
+    optimizer = torch.optim.SGD(
+        model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=cuda
+    )
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(10, (args.batch_size,), device=device)
 
@@ -63,20 +69,29 @@ def bound_worker(args: argparse.Namespace) -> None:
         F.cross_entropy(model(x), y).backward()
         optimizer.step()
 
-    for _ in range(3):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        step()
-    if cuda:
-        torch.cuda.synchronize()
-    dist.barrier()
-    seconds = time.perf_counter() - start
+    def timed(steps: int) -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        if cuda:
+            torch.cuda.synchronize()  # GPU work is queued: time what has finished
+        dist.barrier()
+        return time.perf_counter() - start
+
+    timed(3)  # warm-up: allocations, cuDNN's algorithm search
+    steps = args.steps
+    if not steps:  # enough steps for --seconds of work (20 steps are 0.1 s on a fast GPU)
+        per_step = timed(5) / 5
+        wanted = torch.tensor([max(20, math.ceil(args.seconds / per_step))], device=device)
+        dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # the same count on every rank
+        steps = int(wanted)
+    seconds = timed(steps)
     if rank == 0:
-        print(f"bound: {args.steps * args.batch_size * dist.get_world_size() / seconds:.1f} img/s")
+        images = steps * args.batch_size * dist.get_world_size()
+        print(f"bound: {images / seconds:.1f} img/s ({steps} steps in {seconds:.2f} s)")
     dist.destroy_process_group()
 
 
@@ -94,7 +109,10 @@ def main() -> None:
     parser.add_argument("--arch", default="resnet18")
     parser.add_argument("--image-size", type=int, default=32)
     parser.add_argument("--batch-size", type=int, default=128)
-    parser.add_argument("--steps", type=int, default=20, help="timed steps of the bound")
+    parser.add_argument("--steps", type=int, default=0, help="timed steps of the bound (0: auto)")
+    parser.add_argument(
+        "--seconds", type=float, default=5.0, help="auto: timed work per measurement, at least"
+    )
     parser.add_argument("--out", default=str(REPO / "benchmarks" / "results.json"))
     parser.add_argument("--bound-worker", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -117,9 +135,14 @@ def main() -> None:
         "--batch-size",
         str(args.batch_size),
     ]
-    data = ["--train-size", str(16 * args.batch_size * args.nproc)]  # 16 steps per epoch
-    out = run(torchrun + [__file__, "--bound-worker", "--steps", str(args.steps)] + shape)
+    timing = ["--steps", str(args.steps), "--seconds", str(args.seconds)]
+    out = run(torchrun + [__file__, "--bound-worker"] + timing + shape)
     results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
+    # 03's epochs: 16 steps, or more where the bound shows that 16 take under --seconds (a
+    # GPU), so that 03's own clock also measures seconds, not milliseconds
+    global_batch = args.batch_size * args.nproc
+    steps = max(16, math.ceil(args.seconds * results["a_bound"] / global_batch))
+    data = ["--train-size", str(steps * global_batch)]
     for key, extra in (("b_default", []), ("c_accum4", ["--accum-steps", "4"])):
         out = run(torchrun + [str(REPO / "03_ddp_train.py")] + shape + data + extra)
         results[key] = float(SUMMARY.search(out)[1])

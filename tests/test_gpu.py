@@ -64,29 +64,22 @@ def test_02_pinned_loader_with_workers_shards_exactly():
     assert re.search(r"^verified: \d+ rank\(s\) x \d+ samples per epoch", r.stdout, re.M), r
 
 
-def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match():
-    # 512 W images in batches of 64 per GPU: 8 steps per epoch at any W, the same one-cycle
-    # learning rates (at 1024 images, 8 GPUs had 2 steps per epoch and the loss test failed)
+@pytest.mark.parametrize("nproc", sorted({1, GPUS}))
+def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match(nproc):
+    # 512 P images in batches of 64 per GPU: 8 steps per epoch at any P, the same one-cycle
+    # learning rates (at 1024 images, 8 GPUs had 2 steps per epoch and the loss test failed).
+    # P = 1: SyncBatchNorm's one-process path (plain batch_norm), and fp16's first steps,
+    # skipped while GradScaler's scale comes down, start from zero momentum (fused SGD).
     r = gpu_run(
         "03_ddp_train.py",
-        "--amp",
-        "fp16",
-        "--sync-bn",
-        "--train-size",
-        512 * GPUS,
-        "--val-size",
-        256,
-        "--batch-size",
-        64,
-        "--epochs",
-        2,
-        "--workers",
-        2,
+        *("--amp", "fp16", "--sync-bn", "--train-size", 512 * nproc, "--val-size", 256),
+        *("--batch-size", 64, "--epochs", 2, "--workers", 2),
+        nproc=nproc,
     ).ok()
-    assert f"on {GPUS} x cuda (nccl)" in r.stdout
+    assert f"on {nproc} x cuda (nccl)" in r.stdout
     loss = re.search(r"train loss ([\d.]+) -> ([\d.]+)", r.stdout)
     assert float(loss[2]) < 0.7 * float(loss[1]), r
-    assert int(VERIFIED_03.search(r.stdout)[1]) == GPUS
+    assert int(VERIFIED_03.search(r.stdout)[1]) == nproc
 
 
 def one_gpu_then_two(tmp_path, train_size: int, *two_gpu_args, timeout: float = 300):
@@ -159,10 +152,11 @@ def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
     # (dropout) are in the checkpoint and come back on the GPU each rank owns. Bitwise resume
     # holds at 1 or 2 processes (with 3 or more, DDP's first backward rounds differently), so
     # P = min(W, 2): 512 images in batches of 32 per process are 16 / P steps per epoch, 32
-    # or 16 in all; the failure at step 10 comes after the save at step 8, on both.
+    # or 16 in all; the failure at step 7 comes after the save at step 6, mid-epoch on both
+    # (the sampler's position, the epoch's sums and the RNG states resume, not only weights).
     nproc = min(GPUS, 2)
     args = ("--amp", "fp16", "--train-size", 512, "--batch-size", 32, "--epochs", 2)
-    args += ("--save-every", 4)
+    args += ("--save-every", 3)
     straight = gpu_run(
         "04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "a", nproc=nproc
     ).ok()
@@ -172,11 +166,11 @@ def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
         "--checkpoint-dir",
         tmp_path / "b",
         "--simulate-failure",
-        10,
+        7,
         nproc=nproc,
         extra=("--max-restarts", 1),
     ).ok()
-    assert "resuming from" in resumed.stdout
+    assert re.search(r"^resuming from .*, global step 6$", resumed.stdout, re.M), resumed
     assert FINAL_04.search(straight.stdout)[1] == FINAL_04.search(resumed.stdout)[1]
 
 
@@ -194,3 +188,30 @@ def test_05_sharded_evaluation_equals_one_process():
 def test_06_uneven_inputs_on_nccl(mode):
     r = gpu_run("06_join_uneven.py", "--mode", mode, "--batches-per-rank", "5,2", nproc=2).ok()
     assert "match the closed form" in r.stdout, r
+
+
+@two_gpus
+def test_06_a_nonfinite_loss_is_skipped_by_every_rank_on_nccl():
+    # the most delicate interleaving: the guard's Gloo side group beside NCCL's all-reduces,
+    # rank 1 joined (out of batches) while the others still step
+    r = gpu_run(
+        "06_join_uneven.py",
+        *("--mode", "join", "--batches-per-rank", "5,2", "--nonfinite-at", "0:3"),
+        nproc=2,
+    ).ok()
+    assert "step 3 (rank 0's loss not finite) skipped on all 1 active ranks" in r.stdout, r
+    assert "match the closed form" in r.stdout, r
+
+
+@two_gpus
+def test_06_uneven_inputs_without_join_end_every_rank_in_one_line_on_nccl():
+    r = gpu_run("06_join_uneven.py", "--mode", "no-join", "--batches-per-rank", "5,2", nproc=2)
+    lines = [line for line in r.failed().stderr.splitlines() if line.startswith("[rank ")]
+    assert sorted(line[:8] for line in lines) == ["[rank 0]", "[rank 1]"], r
+    assert all("uneven inputs without join: at step 2" in line for line in lines), r
+
+
+@two_gpus
+def test_06_mismatched_collectives_are_named_on_nccl():
+    r = gpu_run("06_join_uneven.py", "--mode", "mismatch", nproc=2).failed()
+    assert "collectives do not match across ranks" in r.stderr, r

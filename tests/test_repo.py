@@ -36,7 +36,7 @@ MAX_CODE_LINES = {
 EXTRA_FOR_04 = 300  # 04 is 03 plus the checkpoint lesson: at most this many code lines more
 MAX_PARAMETERS = 6
 # Helpers that several scripts need, outside the shared block: one text wherever they appear.
-SHARED_HELPERS = ("number", "output_file", "write_atomic")
+SHARED_HELPERS = ("number", "output_file", "write_atomic", "rank0_writes")
 
 
 def shared_block(text: str) -> str:
@@ -264,3 +264,24 @@ def test_the_readme_shows_commands_of_every_script():
     shown = {script for _, script, _ in readme_commands()}
     assert shown == {p.name for p in SCRIPTS}
     assert len((REPO / "README.md").read_text().splitlines()) <= 250
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+def test_every_group_and_wait_has_the_runs_timeout(script):
+    # dist.new_group without timeout= takes the backend's default (10 min NCCL, 30 min
+    # Gloo), not the default group's: a rank waiting there for a lost peer would outlast
+    # --timeout. monitored_barrier's default is the same. Every call says its timeout.
+    tree = ast.parse(script.read_text())
+    calls = [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call)
+        and isinstance(node.func, ast.Attribute)
+        and node.func.attr in ("new_group", "monitored_barrier", "init_process_group")
+    ]
+    untimed = [
+        f"line {c.lineno}: {c.func.attr}"
+        for c in calls
+        if "timeout" not in [k.arg for k in c.keywords]
+    ]
+    assert not untimed, f"{script.name}: {untimed}"
