@@ -587,7 +587,7 @@ def end(code: int, why: str = "") -> None:
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    with contextlib.suppress(OSError, ValueError):  # stdout closed or broken: the outcome holds
+    with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
 

@@ -11,10 +11,11 @@ from __future__ import annotations
 import os
 import re
 import signal
+import subprocess
 
 import pytest
 
-from launch import REPO, Watched, exit_hook_env, forked, hooks_that_ran, run
+from launch import LAUNCH_VARS, PYTHON, REPO, Watched, exit_hook_env, forked, hooks_that_ran, run
 
 # A model a user pasted into 03: its forward has a shape bug.
 PASTED_MODEL = """
@@ -168,3 +169,19 @@ def test_a_frozen_peer_ends_the_others_after_timeout_in_one_line():
     # then, once running again, rank 1 may say its own one line before mp.spawn ends it
     assert ours[0] == line.strip() and all(x.startswith("[rank 1] ") for x in ours[1:-1]), r
     assert re.fullmatch(r"error: spawned process [01] exited with code (1|143)", ours[-1]), r
+
+
+def test_a_job_with_stdout_closed_succeeds_and_says_nothing_else(tmp_path):
+    # `python script.py >&-` (a daemon, a cron job): Python starts with sys.stdout None, so
+    # print() drops its text; the final flush raised AttributeError and a finished job
+    # exited 1, which a scheduler would retry. Every rank's exit hooks still run.
+    script = REPO / "01_init_methods.py"
+    done = subprocess.run(
+        ["bash", "-c", f'exec "$0" {script} --spawn 2 >&-', PYTHON],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS} | exit_hook_env(tmp_path),
+    )
+    assert (done.returncode, done.stderr) == (0, ""), done
+    assert hooks_that_ran(tmp_path) == ["rank0", "rank1"]
