@@ -86,9 +86,8 @@ def main(args: argparse.Namespace) -> None:
     )
     torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
     optimizer = build_optimizer(model, args, fused=d.device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, args.lr, steps_per_epoch * args.epochs
-    )
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     state = TrainState(model, optimizer, scheduler, scaler)
     if d.rank == 0:
@@ -479,6 +478,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--data {args.data}: expected folders {args.data}/train and {args.data}/val, "
             f"one sub-folder per class"
         )
+    # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and torch.__version__ >= (2, 14)
+    if detail and not torch.cuda.is_available():
+        v = torch.__version__  # TorchVersion: compared as numbers above
+        parser.error(f"TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in torch {v}: use INFO")
     if args.float64 and args.amp != "none":
         parser.error("--float64 and --amp pick opposite precisions; use one")
     args.dtype = torch.float64 if args.float64 else torch.float32

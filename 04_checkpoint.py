@@ -876,6 +876,11 @@ def parse_args(argv=None) -> argparse.Namespace:
             f"--data {args.data}: expected folders {args.data}/train and {args.data}/val, "
             f"one sub-folder per class"
         )
+    # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and torch.__version__ >= (2, 14)
+    if detail and not torch.cuda.is_available():
+        v = torch.__version__  # TorchVersion: compared as numbers above
+        parser.error(f"TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in torch {v}: use INFO")
     if args.float64 and args.amp != "none":
         parser.error("--float64 and --amp pick opposite precisions; use one")
     args.dtype = torch.float64 if args.float64 else torch.float32

@@ -411,6 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
 def parse_args(argv=None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
+    # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
+    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and torch.__version__ >= (2, 14)
+    if detail and not torch.cuda.is_available() and args.mode != "mismatch":  # no DDP there
+        v = torch.__version__  # TorchVersion: compared as numbers above
+        parser.error(f"TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in torch {v}: use INFO")
     if args.nonfinite and args.mode not in ("join", "join-counter"):
         parser.error("--nonfinite-at works with --mode join or join-counter")
     if args.nonfinite and len(args.nonfinite) != 2:

@@ -465,3 +465,17 @@ def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has
     for p, old, grad in zip(model.parameters(), before, grads):
         assert torch.equal(optimizer.state[p]["momentum_buffer"], grad)
         assert torch.allclose(p.detach(), old - 0.1 * grad)
+
+
+def test_debug_detail_on_gloo_is_refused_where_it_crashes_ddp():
+    # torch 2.14.1 and 2.15.0: DDP's constructor segfaults under DETAIL on Gloo (exit -11,
+    # no line); 2.4.1 trains. Refused at parse time where torch is affected, naming it.
+    r = run(SCRIPT, *TINY, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
+    if torch.__version__ >= (2, 14):
+        assert r.returncode == 2, r
+        assert r.stderr.strip().splitlines()[-1] == (
+            f"03_ddp_train.py: error: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in "
+            f"torch {torch.__version__}: use INFO"
+        ), r
+    else:
+        assert r.ok().stdout.strip().splitlines()[-1].startswith("verified: 1 rank(s)"), r
