@@ -210,3 +210,15 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
         load_script(SCRIPT).parse_args(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_failed_save_ends_every_rank_with_rank_0s_line(tmp_path):
+    # rank 0 writes alone (here under a 1 KB file-size limit: the weights need more); every
+    # rank hears the outcome, so none waits for it (on NCCL, for --timeout), none exits 0
+    path = tmp_path / "model.pt"
+    path.write_bytes(b"an earlier run's weights")
+    r = run(SCRIPT, "--spawn", 2, "--save-model", path, "--timeout", 30, file_size_kb=1)
+    ranks = sorted(line for line in r.failed().stderr.splitlines() if line.startswith("[rank "))
+    assert ranks == [f"[rank {i}] error: cannot write {path}: File too large" for i in (0, 1)], r
+    assert path.read_bytes() == b"an earlier run's weights"
+    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
