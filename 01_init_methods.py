@@ -94,7 +94,7 @@ def join(args: argparse.Namespace) -> Dist:
     device = bind_device(local_rank, local_world, args.backend)
     hint = ""
     if args.rendezvous_file:
-        hint = check_rendezvous_file(args.rendezvous_file, world, args.timeout)
+        hint = check_rendezvous_file(args.rendezvous_file, world)
     # tcp://HOST:PORT: rank 0 listens there, the others connect (torch retries, with delays).
     # file://PATH: every rank writes its address into the file and reads the others'.
     # Neither wait can be interrupted, and neither always ends at the timeout: this does.
@@ -122,23 +122,39 @@ def join(args: argparse.Namespace) -> Dist:
     return Dist(rank, world, device)
 
 
-def check_rendezvous_file(path: Path, world: int, timeout: float) -> str:
+def check_rendezvous_file(path: Path, world: int) -> str:
     """torch needs a file that is new (or empty) at every init: an earlier job's leftover can
     make Gloo connect to ranks long gone, retrying well past --timeout, or pair up with the
     wrong ranks. Refuse one that is surely stale; else return a hint for any failure."""
     if path.exists():
-        # Its age by the file server's clock (a file made now), not this machine's: clocks differ
-        with tempfile.NamedTemporaryFile(dir=path.parent) as now:
-            age = os.stat(now.name).st_mtime - path.stat().st_mtime
-        # Surely stale: no other rank in a world of one; or older than --timeout (plus a
-        # margin), by when every rank of this job that wrote it has joined or given up.
-        if world == 1 or age > timeout + 5:
+        opened = processes_that_opened(path)
+        # Surely stale: no other rank in a world of one; or every rank of a job of this size
+        # (or larger) has opened it already, so none of this job's can be among them. Not
+        # its age: a live rank 0's file can look old where clocks differ (NFS clients).
+        if world == 1 or opened >= world:
+            # its age by the file server's clock (a file made now), for the message only
+            with tempfile.NamedTemporaryFile(dir=path.parent) as now:
+                age = os.stat(now.name).st_mtime - path.stat().st_mtime
             raise SetupError(
-                f"{path} is left by an earlier job (last written {age:.0f}s ago): "
-                f"delete it or use a fresh path"
+                f"{path} is left by an earlier job (opened by {opened} process(es), last "
+                f"written {age:.0f}s ago): delete it or use a fresh path"
             )
     earlier = f"{path} may be left by an earlier job: delete it or use a fresh path"
     return f"; if every rank is running, {earlier}"
+
+
+def processes_that_opened(path: Path) -> int:
+    """torch's FileStore file is a list of records (a 4-byte length, then the bytes), key
+    then value; each process that opens it appends "refcount/" with the new count (and one
+    that closes it cleanly, the count less one). The last count; 0 if there is none."""
+    data, at, fields = path.read_bytes(), 0, []
+    while at + 4 <= len(data):
+        size = int.from_bytes(data[at : at + 4], "little")
+        fields.append(data[at + 4 : at + 4 + size])
+        at += 4 + size
+    pairs = zip(fields[0::2], fields[1::2])
+    counts = [int(value) for key, value in pairs if key == b"refcount/" and value.isdigit()]
+    return counts[-1] if counts else 0
 
 
 def describe_rank(d: Dist) -> dict:
