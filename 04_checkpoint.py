@@ -140,9 +140,10 @@ def main(args: argparse.Namespace) -> None:
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if d.rank == 0:  # the last checkpoint as an inference job loads it: a plain model
-        last = checkpoints.path(checkpoints.steps()[0])
-        verified += "; " + verify_inference_copy(model, last, args, num_classes)
+    # the last checkpoint as an inference job loads it: a plain model. Every rank checks (the
+    # folder is shared), so a failure stops all at once and none waits for rank 0 alone.
+    last = checkpoints.path(checkpoints.steps()[0])
+    verified += "; " + verify_inference_copy(model, last, args, num_classes)
     if args.save_model:  # the plain model: keys without "module."
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
@@ -700,7 +701,7 @@ def check_coverage(state: TrainState, sampler: ResumableSampler, d: Dist) -> Non
 
 
 def verify_inference_copy(model: nn.Module, path: Path, args, num_classes: int) -> str:
-    """Rank 0: the last checkpoint loaded into a new plain model (no DDP) has the weights."""
+    """The last checkpoint loaded into a new plain model (no DDP) has the trained weights."""
     plain = build_model(args, num_classes).to(args.dtype)
     plain.load_state_dict(read_checkpoint(path)["model"])
     trained = model.state_dict()
