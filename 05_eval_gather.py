@@ -134,9 +134,12 @@ def main(args: argparse.Namespace) -> None:
         text = json.dumps(metrics, indent=1) + "\n"
         rank0_writes(args.metrics_json, lambda f: f.write(text.encode()), d)
     if args.predictions:
-        rows = "".join(f"{i},{y},{p}\n" for i, p, y in table.tolist())
-        text = "index,label,prediction\n" + rows
-        rank0_writes(args.predictions, lambda f: f.write(text.encode()), d)
+
+        def write_csv(f) -> None:  # called on rank 0 alone: the others do not format the table
+            f.write(b"index,label,prediction\n")
+            f.write("".join(f"{i},{y},{p}\n" for i, p, y in table.tolist()).encode())
+
+        rank0_writes(args.predictions, write_csv, d)
     verified = f"{n} samples counted once, all_gather agrees with all_reduce"
     if args.verify:
         verified += "; " + verify_against_one_process(model, dataset, args, d, metrics)
