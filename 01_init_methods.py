@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import datetime
 import os
@@ -47,7 +48,6 @@ import signal
 import socket
 import sys
 import tempfile
-import threading
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -64,11 +64,11 @@ def main(args: argparse.Namespace) -> None:
     rows = [None] * d.world_size
     dist.all_gather_object(rows, describe_rank(d))  # any picklable object, one per rank
     if d.rank == 0:
-        print(
+        say(
             f"process group up: init_method={args.init_method} backend={dist.get_backend()} "
             f"world_size={d.world_size}"
         )
-        print(rank_table(rows), flush=True)
+        say(rank_table(rows))
     # ---- checks: every rank checks the gathered table and four collectives with known answers
     verify_table(rows, d.world_size)
     summary = verify_collectives(d, args.timeout)
@@ -77,10 +77,9 @@ def main(args: argparse.Namespace) -> None:
     if args.rendezvous_file and d.rank == 0:  # past the barrier: no rank needs it any more
         args.rendezvous_file.unlink(missing_ok=True)
     if d.rank == 0:
-        print(
+        say(
             f"verified: {d.world_size} rank(s) joined via {args.init_method.split('//')[0]}//; "
             f"{summary}",
-            flush=True,
         )
 
 
@@ -97,20 +96,22 @@ def join(args: argparse.Namespace) -> Dist:
         hint = check_rendezvous_file(args.rendezvous_file, world)
     # tcp://HOST:PORT: rank 0 listens there, the others connect (torch retries, with delays).
     # file://PATH: every rank writes its address into the file and reads the others'.
-    # Neither wait can be interrupted, and neither always ends at the timeout: this does.
+    # Neither wait can be interrupted, and neither always ends at the timeout: as in setup(),
+    # a thread joins and this one waits for it, until the deadline or a signal (Ctrl-C).
     late = f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method})"
-    deadline = threading.Timer(args.timeout + 2, end, (1, f"error: {late}{hint}"))
-    deadline.start()
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    joining = concurrent.futures.ThreadPoolExecutor(1).submit(
+        dist.init_process_group,
+        "nccl" if device.type == "cuda" else "gloo",
+        init_method=args.init_method,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=args.timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
     try:
-        dist.init_process_group(
-            backend,
-            init_method=args.init_method,
-            rank=rank,
-            world_size=world,
-            timeout=datetime.timedelta(seconds=args.timeout),
-            device_id=device if device.type == "cuda" else None,
-        )
+        joining.result(args.timeout + 2)
+    except concurrent.futures.TimeoutError:
+        raise SetupError(f"{late}{hint}") from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         if re.search(r"(?i)time ?out|timed out", first):  # file://'s is "Wait timeout"
@@ -118,7 +119,6 @@ def join(args: argparse.Namespace) -> Dist:
         raise SetupError(
             f"cannot join the process group at {args.init_method}: {first}{hint}"
         ) from e
-    deadline.cancel()
     return Dist(rank, world, device)
 
 
@@ -265,12 +265,17 @@ def verify_collectives(d: Dist, timeout: float) -> str:
     )
 
 
+def say(text: str) -> None:
+    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
+    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(
-        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
-    )
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
 
     def add(group, name: str, what: str, **how) -> None:  # the help states a default once
         if how.get("default") is not None:
@@ -430,16 +435,20 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
-        main(args)
-    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        try:
+            main(args)
+        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
+            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
+        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+                traceback.print_exc()
+            end(1, f"error: {type(e).__name__}: {e}")
+        end(0)
+    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
+    # others, say) arrives while the rank is already ending on an error of its own
+    except KeyboardInterrupt as e:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
-    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
-    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
-            traceback.print_exc()
-        end(1, f"error: {type(e).__name__}: {e}")
-    end(0)
 
 
 def stop(signum: int, frame) -> None:
@@ -449,8 +458,7 @@ def stop(signum: int, frame) -> None:
 
 def end(code: int, why: str = "") -> None:
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
@@ -469,21 +477,22 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
     device = bind_device(local_rank, local_world, backend)
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    # torch's store may wait past the timeout (a client retries, and a port held by another
-    # program never answers) and cannot be interrupted: this timer ends the process instead.
-    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
-    deadline.start()
     kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    limit = datetime.timedelta(seconds=timeout)
-    try:  # device_id: NCCL connects now, on this process's GPU
-        dist.init_process_group(
-            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
-        )
+    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
+    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
+    # by another program never answers); this wait ends at either. device_id: NCCL connects
+    # now, on this process's GPU.
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    try:
+        joining.result(timeout + 2)
+    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
     return Dist(rank, world, device)
 
 

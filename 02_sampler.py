@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import datetime
+import fcntl
 import json
 import math
 import os
@@ -45,8 +47,6 @@ import re
 import signal
 import socket
 import sys
-import tempfile
-import threading
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -68,7 +68,7 @@ def main(args: argparse.Namespace) -> None:
     n, w = args.dataset_size, d.world_size
     per_rank = expected_per_rank(n, w, args.drop_last)
     if d.rank == 0:
-        print(
+        say(
             f"{n} samples, {w} rank(s), shuffle={args.shuffle} seed={args.seed} "
             f"drop_last={args.drop_last}: {per_rank} per rank per epoch, batches of "
             f"{args.batch_size}, {args.workers} worker(s)  (* = padding repeat)"
@@ -80,10 +80,10 @@ def main(args: argparse.Namespace) -> None:
         shards = [everyone[r][epoch]["indices"] for r in range(w)]
         dump["epochs"][str(epoch)] = {str(r): s for r, s in enumerate(shards)}
         if d.rank == 0:
-            print(f"epoch {epoch}\n{shard_table(shards, n)}")
+            say(f"epoch {epoch}\n{shard_table(shards, n)}")
         repeats, dropped = verify_epoch(shards, n, args.drop_last)
         if d.rank == 0 and dropped:
-            print(
+            say(
                 f"  dropped: {' '.join(map(str, dropped[:16]))}"
                 + (f" ... (+{len(dropped) - 16})" if len(dropped) > 16 else "")
             )
@@ -98,14 +98,14 @@ def main(args: argparse.Namespace) -> None:
         if args.dump_indices:
             write_atomic(args.dump_indices, json.dumps(dump).encode())
         if repeats:
-            print(
+            say(
                 f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
                 f"shards would count those samples again (05_eval_gather.py counts each once)"
             )
         if per_rank == 0:
-            print(f"note: {n} sample(s) for {w} ranks with drop_last: every rank gets nothing")
-        print(order_note)
-        print(
+            say(f"note: {n} sample(s) for {w} ranks with drop_last: every rank gets nothing")
+        say(order_note)
+        say(
             f"verified: {w} rank(s) x {per_rank} samples per epoch; "
             + (
                 "shards disjoint, " + f"{len(dropped)} dropped per epoch"
@@ -113,7 +113,6 @@ def main(args: argparse.Namespace) -> None:
                 else f"shards cover all {n}, {repeats} padding repeat(s)"
             )
             + f"; {draws_note}",
-            flush=True,
         )
 
 
@@ -316,12 +315,17 @@ def write_atomic(path: Path, data: bytes) -> None:
         raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
 
 
+def say(text: str) -> None:
+    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
+    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(
-        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
-    )
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
 
     def add(group, name: str, what: str, **how) -> None:  # the help states a default once
         if how.get("default") is not None:
@@ -368,7 +372,14 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path.parent).close()
+        # A lock beside it, held by rank 0 (or the process that launches the job) until it
+        # ends: a second job that would write the same file is refused. lockf: a process's
+        # own (this one may name a file twice), not inherited by DataLoader workers.
+        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT)
+        if os.environ.get("RANK", "0") == "0":
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept: the fd is never closed
+    except BlockingIOError:  # (an OSError: caught first) held by another process
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a running job writes it") from None
     except OSError as e:
         why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
@@ -428,16 +439,20 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
-        main(args)
-    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        try:
+            main(args)
+        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
+            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
+        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+                traceback.print_exc()
+            end(1, f"error: {type(e).__name__}: {e}")
+        end(0)
+    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
+    # others, say) arrives while the rank is already ending on an error of its own
+    except KeyboardInterrupt as e:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
-    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
-    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
-            traceback.print_exc()
-        end(1, f"error: {type(e).__name__}: {e}")
-    end(0)
 
 
 def stop(signum: int, frame) -> None:
@@ -447,8 +462,7 @@ def stop(signum: int, frame) -> None:
 
 def end(code: int, why: str = "") -> None:
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
@@ -467,21 +481,22 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
     device = bind_device(local_rank, local_world, backend)
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    # torch's store may wait past the timeout (a client retries, and a port held by another
-    # program never answers) and cannot be interrupted: this timer ends the process instead.
-    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
-    deadline.start()
     kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    limit = datetime.timedelta(seconds=timeout)
-    try:  # device_id: NCCL connects now, on this process's GPU
-        dist.init_process_group(
-            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
-        )
+    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
+    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
+    # by another program never answers); this wait ends at either. device_id: NCCL connects
+    # now, on this process's GPU.
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    try:
+        joining.result(timeout + 2)
+    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
     return Dist(rank, world, device)
 
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import datetime
 import errno
@@ -55,6 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import NamedTuple
 
+import PIL.Image
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -64,6 +66,7 @@ import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, Subset
 from torch.utils.data.distributed import DistributedSampler
+from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp none: no autocast
@@ -83,10 +86,8 @@ def main(args: argparse.Namespace) -> None:
     train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
     if steps_per_epoch == 0:  # full batches only: a last batch of one image fails BatchNorm
-        raise SetupError(
-            f"each rank's {len(sampler)} image(s) make {len(train_loader)} full batch(es) of "
-            f"{args.batch_size}; a step takes {args.accum_steps}"
-        )
+        batches = f"each rank's {len(sampler)} image(s) make {len(train_loader)} full batch(es)"
+        raise SetupError(f"{batches} of {args.batch_size}; a step takes {args.accum_steps}")
     torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
     if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
@@ -101,16 +102,15 @@ def main(args: argparse.Namespace) -> None:
     )
     torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
     optimizer = build_optimizer(model, args, fused=d.device.type == "cuda")
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(
-        optimizer, args.lr, steps_per_epoch * args.epochs
-    )
+    total_steps = steps_per_epoch * args.epochs
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     seen = torch.zeros(len(train_set), dtype=torch.int64)  # coverage: visits per image
     sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # the epoch's loss, accuracy
     state = TrainState(model, optimizer, scheduler, scaler, seen=seen, sums=sums)
     checkpoints.load(state, steps_per_epoch)  # every rank: the newest that verifies, if any
     if d.rank == 0:
-        print(
+        say(
             f"training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
             f"params, {num_classes} classes) on {d.world_size} x {d.device.type} "
             f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> None:
         val = evaluate(model, val_loader, args, d) if len(val_set) else None
         history.append((train, val))
         if d.rank == 0:
-            print(f"epoch {state.epoch + 1} done: {describe(train, val)}", flush=True)
+            say(f"epoch {state.epoch + 1} done: {describe(train, val)}")
         state.epoch += 1
         state.position = 0
         state.seen.zero_()
@@ -148,9 +148,9 @@ def main(args: argparse.Namespace) -> None:
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
         done = f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir"
-        print(summary(history, state, d) if history else done)
+        say(summary(history, state, d) if history else done)
         saved = f"; rank 0 saved them to {args.save_model}" if args.save_model else ""
-        print(f"verified: {verified}{saved}", flush=True)
+        say(f"verified: {verified}{saved}")
 
 
 # ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
@@ -161,24 +161,49 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
         train = SyntheticImages(args.train_size, *shape, train=True)
         return train, SyntheticImages(args.val_size, *shape, train=False), args.num_classes
     T = torchvision.transforms
-    # Random transforms draw from each DataLoader worker's RNG, which differs per rank.
-    norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    train_transform = T.Compose(
-        [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip(), T.ToTensor(), norm]
-    )
-    resize = round(args.image_size * 256 / 224)
-    val_transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
-    try:
-        train_set = torchvision.datasets.ImageFolder(args.data / "train", train_transform)
-        val_set = torchvision.datasets.ImageFolder(args.data / "val", val_transform)
-    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
-        raise SetupError(f"--data {args.data}: {e}") from e
+    # torchvision's ImageNet recipe: random crops and flips to train (each image's drawn from
+    # its own seed: SeededAugmentation, below), a centre crop to validate; ImageNet's mean/std
+    tensor = [T.ToTensor(), T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
+    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
+    centre = [T.Resize(round(args.image_size * 256 / 224)), T.CenterCrop(args.image_size)]
+    train_set = image_folder(args.data / "train", T.Compose(augment + tensor))
+    val_set = image_folder(args.data / "val", T.Compose(centre + tensor))
     if val_set.classes != train_set.classes:  # each split numbers its own folders' classes
-        raise SetupError(
-            f"--data {args.data}: val's classes {val_set.classes} differ from train's "
-            f"{train_set.classes}; their labels would not match"
-        )
+        differ = f"val's classes {val_set.classes} differ from train's {train_set.classes}"
+        raise SetupError(f"--data {args.data}: {differ}; their labels would not match")
     return train_set, val_set, len(train_set.classes)
+
+
+def image_folder(root: Path, transform) -> ImageFolder:
+    """torchvision's ImageFolder (root/CLASS/IMAGE), plus what it leaves unchecked: hidden
+    files (macOS's ._x.png) are not images, and no folder is reached twice (a symlink loop
+    would repeat its images under another class). 05_eval_gather.py reads --data the same."""
+
+    def is_image(path: str) -> bool:  # hidden files (macOS's ._x.png) are not
+        return not os.path.basename(path).startswith(".") and path.lower().endswith(IMG_EXTENSIONS)
+
+    try:
+        images = ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
+    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
+        raise SetupError(f"--data {root.parent}: {e}") from e
+    folders = {}
+    for here in sorted({os.path.dirname(path) for path, _ in images.samples}):
+        first = folders.setdefault(os.path.realpath(here), here)
+        if first != here:
+            raise SetupError(f"--data {root.parent}: {here} is {first} again: a symlink loop?")
+    return images
+
+
+def load_image(path: str):
+    """The image at path in RGB, or a SetupError naming the file. 16-bit greyscale (common in
+    scientific and medical imaging) is scaled to 8 bits: converted as it is, it saturates."""
+    try:
+        image = PIL.Image.open(path)
+        if image.mode.startswith("I"):  # "I;16" and kin: values up to 65535
+            image = image.point(lambda value: value / 256)
+        return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:  # truncated, or not an image at all
+        raise SetupError(f"cannot read image {path}: {e}") from None
 
 
 class SyntheticImages(Dataset):
@@ -202,9 +227,9 @@ class SyntheticImages(Dataset):
 
 def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
     """The training loader with its DistributedSampler, and this rank's validation loader."""
-    workers = args.workers
-    if workers is None:  # CPU: the cores train, not workers; GPU: this process's cores
-        workers = 0 if d.device.type == "cpu" else min(8, torch.get_num_threads())
+    # --workers left out: on CPU none (the cores train), on GPUs this process's cores (up to 8)
+    auto = 0 if d.device.type == "cpu" else min(8, torch.get_num_threads())
+    workers = auto if args.workers is None else args.workers
     common = dict(
         batch_size=args.batch_size,
         num_workers=workers,
@@ -212,16 +237,13 @@ def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set:
         pin_memory=d.device.type == "cuda",  # page-locked: copies to the GPU run async
     )
     train_set = SeededAugmentation(train_set, args.seed)
-    sampler = ResumableSampler(
-        train_set, num_replicas=d.world_size, rank=d.rank, shuffle=True, seed=args.seed
-    )
-    # iter(loader) draws the workers' base seed from generator, not from the global RNG
-    # (dropout's), so a resumed run (04_checkpoint.py) keeps the same random stream
-    generator = torch.Generator().manual_seed(args.seed + d.rank)
+    # shuffled (the default): each epoch a new order, the same on every rank (seed + epoch)
+    sampler = ResumableSampler(train_set, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
+    # iter(loader) draws the workers' base seed from rng, not from the global RNG (dropout's),
+    # so a resumed run keeps the same random stream.
     # drop_last: full batches only (a batch of one image fails BatchNorm in training)
-    train_loader = DataLoader(
-        train_set, sampler=sampler, drop_last=True, generator=generator, **common
-    )
+    rng = torch.Generator().manual_seed(args.seed + d.rank)
+    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, generator=rng, **common)
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
@@ -295,11 +317,8 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
     try:
         model = torchvision.models.get_model(args.arch, **kwargs)
-    except TypeError as e:
-        raise SetupError(
-            f"--norm group needs an architecture with a norm_layer argument (resnet*, "
-            f"resnext*, wide_resnet*); {args.arch} has none"
-        ) from e
+    except TypeError as e:  # resnet*, resnext* and wide_resnet* take a norm_layer
+        raise SetupError(f"--norm group: {args.arch} takes no norm_layer (try a resnet)") from e
     model.eval()  # one image through it now (no statistics change), so a misfit is named here
     try:
         model(torch.zeros(1, 3, args.image_size, args.image_size))
@@ -402,7 +421,7 @@ def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: 
         # --simulate-failure: the last rank dies abruptly, like a machine that is gone
         last_rank = d.rank == d.world_size - 1
         if args.simulate_failure == state.step and last_rank and not checkpoints.resumed:
-            print(f"[rank {d.rank}] simulated failure at step {state.step}", flush=True)
+            say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)
         stop = checkpoints.stop_requested()  # every rank, every step: a small CPU all-reduce
         if stop or (state.step % args.save_every == 0 and i < steps - 1):  # (epoch end: main)
@@ -410,7 +429,7 @@ def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: 
         if stop:
             checkpoints.finish()  # the save is on disk before this rank ends
             if d.rank == 0:
-                print(f"stopping on {stop} at step {state.step}: run the same command to resume")
+                say(f"stopping on {stop} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
         # ---- bookkeeping: the clock and the progress line, not part of the step ----------
@@ -518,7 +537,7 @@ class Checkpoints:
                 os.rename(self.dir / name, self.dir / f"{name}.unreadable")  # kept, out of the way
         if not saved:
             if d.rank == 0:
-                print(f"no checkpoint in {self.dir}: starting from step 0", flush=True)
+                say(f"no checkpoint in {self.dir}: starting from step 0")
             return
         check_settings(saved["args"], settings(self.args), path)
         try:
@@ -545,10 +564,10 @@ class Checkpoints:
             )
             if d.rank == 0:
                 change = f"world size {saved['world_size']} -> {d.world_size}"
-                print(f"{change}: random streams reseeded, schedule of {state.step + left} steps")
+                say(f"{change}: random streams reseeded, schedule of {state.step + left} steps")
         if d.rank == 0:
             done = f"epoch {state.epoch + 1} with {state.position} of its images done"
-            print(f"resuming from {path}: {done}, global step {state.step}", flush=True)
+            say(f"resuming from {path}: {done}, global step {state.step}")
 
     def save(self, state: TrainState, where: str) -> None:
         """Every rank, at the same step: the random streams, the epoch's counts and sums are
@@ -590,7 +609,7 @@ class Checkpoints:
             for old in self.steps()[self.args.keep :]:
                 marker(self.path(old)).unlink(missing_ok=True)  # the marker first
                 self.path(old).unlink(missing_ok=True)
-            print(f"saved {path.name} ({where})", flush=True)
+            say(f"saved {path.name} ({where})")
         except Exception as e:  # noqa: BLE001 - any: this thread reports to finish()
             self.error = f"rank 0 could not write a checkpoint in {self.dir}: {e}"
 
@@ -718,7 +737,7 @@ def report(sums: torch.Tensor, where: str, state: TrainState, d: Dist) -> tuple[
     check(math.isfinite(loss_sum), "finite loss", diverged)  # all-reduced: all stop together
     if d.rank == 0 and where:
         lr, acc = state.scheduler.get_last_lr()[0], 100 * correct / count
-        print(f"{where}  loss {loss_sum / count:.4f}  acc {acc:5.1f}%  lr {lr:.4f}", flush=True)
+        say(f"{where}  loss {loss_sum / count:.4f}  acc {acc:5.1f}%  lr {lr:.4f}")
     return loss_sum / count, correct / count
 
 
@@ -761,23 +780,25 @@ def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
     dist.all_gather_object(digests, digest)
     differ = f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}"
     check(len(set(digests)) == 1, "identical replicas", differ)
-    return (
-        f"{d.world_size} rank(s) hold identical parameters and buffers "
-        f"({flat.numel():,} values, sha256 {digest[:16]})"
-    )
+    values = f"{flat.numel():,} values, sha256 {digest[:16]}"
+    return f"{d.world_size} rank(s) hold identical parameters and buffers ({values})"
 
 
 def summary(history: list, state: TrainState, d: Dist) -> str:
-    (first, _), (last, last_val) = history[0], history[-1]
+    """Speed over the timed part of every epoch (from its step 2: step 1 pays one-off costs),
+    and the training loss from the first epoch to the last."""
     images = sum(train["images"] for train, _ in history)
     seconds = sum(train["seconds"] for train, _ in history)
-    speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # step 1 is not timed
-    line = (
-        f"summary: {state.step} steps, {speed} on {d.world_size} rank(s) (from each epoch's "
-        f"step 2); train loss {first['loss']:.4f} -> {last['loss']:.4f}, acc "
-        f"{100 * first['acc']:.1f}% -> {100 * last['acc']:.1f}%"
-    )
-    return line + (f"; val acc {100 * last_val['acc']:.1f}%" if last_val else "")
+    speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # one step per epoch: untimed
+    loss = f"train loss {history[0][0]['loss']:.4f} -> {history[-1][0]['loss']:.4f}"
+    return f"summary: {state.step} steps, {speed} on {d.world_size} rank(s); {loss}"
+
+
+def say(text: str) -> None:
+    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
+    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def rank0_writes(path: Path, save, d: Dist) -> None:
@@ -813,10 +834,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(
-        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
-    )
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
 
     def add(group, name: str, what: str, **how) -> None:  # the help states a default once
         if how.get("default") is not None:
@@ -873,10 +892,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.sync_bn and not torch.cuda.is_available():
         parser.error("--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group")
     if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
-        parser.error(
-            f"--data {args.data}: expected folders {args.data}/train and {args.data}/val, "
-            f"one sub-folder per class"
-        )
+        folders = f"{args.data}/train and {args.data}/val, one sub-folder per class"
+        parser.error(f"--data {args.data}: expected folders {folders}")
     # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
     detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and torch.__version__ >= (2, 14)
     if detail and not torch.cuda.is_available():
@@ -908,7 +925,14 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path.parent).close()
+        # A lock beside it, held by rank 0 (or the process that launches the job) until it
+        # ends: a second job that would write the same file is refused. lockf: a process's
+        # own (this one may name a file twice), not inherited by DataLoader workers.
+        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT)
+        if os.environ.get("RANK", "0") == "0":
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept: the fd is never closed
+    except BlockingIOError:  # (an OSError: caught first) held by another process
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a running job writes it") from None
     except OSError as e:
         why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
@@ -968,16 +992,20 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
-        main(args)
-    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        try:
+            main(args)
+        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
+            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
+        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+                traceback.print_exc()
+            end(1, f"error: {type(e).__name__}: {e}")
+        end(0)
+    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
+    # others, say) arrives while the rank is already ending on an error of its own
+    except KeyboardInterrupt as e:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
-    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
-    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
-            traceback.print_exc()
-        end(1, f"error: {type(e).__name__}: {e}")
-    end(0)
 
 
 def stop(signum: int, frame) -> None:
@@ -987,8 +1015,7 @@ def stop(signum: int, frame) -> None:
 
 def end(code: int, why: str = "") -> None:
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
@@ -1007,21 +1034,22 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
     device = bind_device(local_rank, local_world, backend)
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    # torch's store may wait past the timeout (a client retries, and a port held by another
-    # program never answers) and cannot be interrupted: this timer ends the process instead.
-    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
-    deadline.start()
     kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    limit = datetime.timedelta(seconds=timeout)
-    try:  # device_id: NCCL connects now, on this process's GPU
-        dist.init_process_group(
-            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
-        )
+    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
+    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
+    # by another program never answers); this wait ends at either. device_id: NCCL connects
+    # now, on this process's GPU.
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    try:
+        joining.result(timeout + 2)
+    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
     return Dist(rank, world, device)
 
 

@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import datetime
+import fcntl
 import io
 import json
 import math
@@ -36,13 +38,12 @@ import re
 import signal
 import socket
 import sys
-import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
 
+import PIL.Image
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -50,6 +51,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from torch.utils.data import DataLoader, Dataset, Subset
+from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 
@@ -76,56 +78,39 @@ def main(args: argparse.Namespace) -> None:
     dist.all_reduce(sums, op=dist.ReduceOp.SUM)
     metrics = metrics_from_sums(sums, num_classes)
     if not math.isfinite(metrics["loss"]):  # all-reduced: every rank stops here together
-        raise SetupError(
-            f"the loss is not finite: the model's weights hold NaN or inf "
-            f"({args.checkpoint or 'the seeded model'})"
-        )
+        weights = args.checkpoint or "the seeded model"
+        raise SetupError(f"the loss is not finite: the model's weights hold NaN or inf ({weights})")
     # 2. all_gather of tensors: every prediction, back in dataset order.
     table = gather_predictions(rows, d)
     # 3. all_gather_object: any picklable object, here a per-rank report. It pickles,
     # copies through the CPU and unpickles: fine for small things, slow for big tensors,
     # and unpickling runs code, so use it only between processes you trust (your own job).
+    report = dict(rank=d.rank, host=socket.gethostname(), samples=len(mine), seconds=seconds)
     reports = [None] * d.world_size
-    dist.all_gather_object(
-        reports,
-        {
-            "rank": d.rank,
-            "host": socket.gethostname(),
-            "samples": len(mine),
-            "seconds": round(seconds, 3),
-        },
-    )
+    dist.all_gather_object(reports, report)
 
     # ---- checks: every rank checks the combined results, so all stop together if one fails
     n = len(dataset)
-    check(
-        metrics["num_samples"] == n,
-        "each sample once",
-        f"counted {metrics['num_samples']} samples, the set has {n}",
-    )
-    check(
-        table[:, 0].tolist() == list(range(n)),
-        "every index gathered",
-        "the gathered predictions are not exactly the indices 0..N-1",
-    )
-    check(
-        int((table[:, 1] == table[:, 2]).sum()) == metrics["correct"],
-        "gather = reduce",
-        "correct counts from all_gather and all_reduce disagree",
-    )
+    counted = f"counted {metrics['num_samples']} samples, the set has {n}"
+    check(metrics["num_samples"] == n, "each sample once", counted)
+    indices = "the gathered predictions are not exactly the indices 0..N-1"
+    check(table[:, 0].tolist() == list(range(n)), "every index gathered", indices)
+    correct = int((table[:, 1] == table[:, 2]).sum())  # prediction == label, from the gather
+    disagree = "correct counts from all_gather and all_reduce disagree"
+    check(correct == metrics["correct"], "gather = reduce", disagree)
     check(sum(r["samples"] for r in reports) == n, "reports", "per-rank sample counts")
     if d.rank == 0:
         per_rank = ", ".join(
-            f"rank {r['rank']}: {r['samples']} in {r['seconds']}s" for r in reports
+            f"rank {r['rank']}: {r['samples']} in {r['seconds']:.3f}s" for r in reports
         )
-        print(f"evaluated {n} samples on {d.world_size} rank(s) ({per_rank})")
-        print(
+        say(f"evaluated {n} samples on {d.world_size} rank(s) ({per_rank})")
+        say(
             f"exact:  accuracy {metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%  "
             f"loss {metrics['loss']:.6f}"
         )
         naive_correct, naive_n = naive_padded_metrics(table, n, d.world_size)
         if naive_n != n:
-            print(
+            say(
                 f"naive:  accuracy {naive_correct}/{naive_n} = "
                 f"{100 * naive_correct / naive_n:.2f}%  (DistributedSampler pads {naive_n - n}"
                 f" repeat(s) so every rank holds {naive_n // d.world_size}; they count twice)"
@@ -144,7 +129,7 @@ def main(args: argparse.Namespace) -> None:
     if args.verify:
         verified += "; " + verify_against_one_process(model, dataset, args, d, metrics)
     if d.rank == 0:
-        print(f"verified: {verified}", flush=True)
+        say(f"verified: {verified}")
 
 
 def build_dataset(args: argparse.Namespace):
@@ -152,22 +137,13 @@ def build_dataset(args: argparse.Namespace):
         return SyntheticImages(
             args.val_size, args.num_classes, args.image_size, args.seed, train=False
         )  # 03's validation images
-    from torchvision import transforms as T
-    from torchvision.datasets import ImageFolder
-
-    root = args.data / "val"
-    if not root.is_dir():
-        raise SetupError(
-            f"--data {args.data}: expected a folder {root} with one sub-folder per class"
-        )
+    root = args.data / "val"  # one sub-folder per class
     # 03's validation transform: resize, centre crop, ImageNet's normalisation
+    T = torchvision.transforms
     norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
     resize = round(args.image_size * 256 / 224)
     transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
-    try:
-        dataset = ImageFolder(root, transform=transform)
-    except (FileNotFoundError, RuntimeError) as e:
-        raise SetupError(f"--data {args.data}: {e}") from e
+    dataset = image_folder(root, transform)
     train = sorted(p.name for p in (root.parent / "train").glob("*") if p.is_dir())
     if train and train != dataset.classes:  # labels are class indices: the lists must agree
         raise SetupError(
@@ -175,6 +151,38 @@ def build_dataset(args: argparse.Namespace):
             f"differ from train's {train}, so its labels do not match a model's"
         )
     return dataset
+
+
+def image_folder(root: Path, transform) -> ImageFolder:
+    """torchvision's ImageFolder (root/CLASS/IMAGE), plus what it leaves unchecked: hidden
+    files (macOS's ._x.png) are not images, and no folder is reached twice (a symlink loop
+    would repeat its images under another class). 05_eval_gather.py reads --data the same."""
+
+    def is_image(path: str) -> bool:  # hidden files (macOS's ._x.png) are not
+        return not os.path.basename(path).startswith(".") and path.lower().endswith(IMG_EXTENSIONS)
+
+    try:
+        images = ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
+    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
+        raise SetupError(f"--data {root.parent}: {e}") from e
+    folders = {}
+    for here in sorted({os.path.dirname(path) for path, _ in images.samples}):
+        first = folders.setdefault(os.path.realpath(here), here)
+        if first != here:
+            raise SetupError(f"--data {root.parent}: {here} is {first} again: a symlink loop?")
+    return images
+
+
+def load_image(path: str):
+    """The image at path in RGB, or a SetupError naming the file. 16-bit greyscale (common in
+    scientific and medical imaging) is scaled to 8 bits: converted as it is, it saturates."""
+    try:
+        image = PIL.Image.open(path)
+        if image.mode.startswith("I"):  # "I;16" and kin: values up to 65535
+            image = image.point(lambda value: value / 256)
+        return image.convert("RGB")
+    except (OSError, SyntaxError, ValueError) as e:  # truncated, or not an image at all
+        raise SetupError(f"cannot read image {path}: {e}") from None
 
 
 class SyntheticImages(Dataset):
@@ -212,10 +220,8 @@ def build_model(args: argparse.Namespace, num_classes: int, d: Dist) -> nn.Modul
             # weights_only refuses pickled code: a checkpoint is data, not a program.
             state = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as e:  # noqa: BLE001 - whatever torch.load raises, name the file
-            raise SetupError(
-                f"--checkpoint {path}: torch.load cannot read it "
-                f"({type(e).__name__}: {str(e).splitlines()[0][:120]})"
-            ) from e
+            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+            raise SetupError(f"--checkpoint {path}: torch.load cannot read it ({why})") from e
         if isinstance(state, dict) and {"model", "optimizer", "step"} <= state.keys():
             state = state["model"]  # a 04_checkpoint.py checkpoint: the model in the state
         tensors = isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())
@@ -226,9 +232,9 @@ def build_model(args: argparse.Namespace, num_classes: int, d: Dist) -> nn.Modul
         try:
             model.load_state_dict(state)
         except RuntimeError as e:
+            misfit = f"does not fit --arch {args.arch} with {num_classes} classes"
             raise SetupError(
-                f"--checkpoint {path} does not fit --arch {args.arch} with "
-                f"{num_classes} classes: {describe_mismatch(model, state)}"
+                f"--checkpoint {path} {misfit}: {describe_mismatch(model, state)}"
             ) from e
     return model.to(d.device).eval()
 
@@ -349,17 +355,19 @@ def verify_against_one_process(model, dataset, args, d: Dist, metrics: dict) -> 
     sums, _ = evaluate_shard(model, dataset, range(len(dataset)), args, d, num_classes)
     alone = metrics_from_sums(sums, num_classes)
     for key in ("num_samples", "correct", "per_class_correct", "per_class_total"):
-        check(
-            alone[key] == metrics[key],
-            "equal to one process",
-            f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone",
-        )
-    check(
-        math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9),
-        "equal to one process",
-        f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone",
-    )
+        differ = f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone"
+        check(alone[key] == metrics[key], "equal to one process", differ)
+    close = math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9)
+    differ = f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone"
+    check(close, "equal to one process", differ)
     return "identical to a one-process evaluation (counts exact, loss to 1e-6 relative)"
+
+
+def say(text: str) -> None:
+    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
+    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def rank0_writes(path: Path, save, d: Dist) -> None:
@@ -395,10 +403,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(
-        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
-    )
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
 
     def add(group, name: str, what: str, **how) -> None:  # the help states a default once
         if how.get("default") is not None:
@@ -467,7 +473,14 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path.parent).close()
+        # A lock beside it, held by rank 0 (or the process that launches the job) until it
+        # ends: a second job that would write the same file is refused. lockf: a process's
+        # own (this one may name a file twice), not inherited by DataLoader workers.
+        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT)
+        if os.environ.get("RANK", "0") == "0":
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept: the fd is never closed
+    except BlockingIOError:  # (an OSError: caught first) held by another process
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a running job writes it") from None
     except OSError as e:
         why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
@@ -527,16 +540,20 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
-        main(args)
-    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        try:
+            main(args)
+        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
+            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
+        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+                traceback.print_exc()
+            end(1, f"error: {type(e).__name__}: {e}")
+        end(0)
+    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
+    # others, say) arrives while the rank is already ending on an error of its own
+    except KeyboardInterrupt as e:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
-    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
-    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
-            traceback.print_exc()
-        end(1, f"error: {type(e).__name__}: {e}")
-    end(0)
 
 
 def stop(signum: int, frame) -> None:
@@ -546,8 +563,7 @@ def stop(signum: int, frame) -> None:
 
 def end(code: int, why: str = "") -> None:
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
@@ -566,21 +582,22 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
     device = bind_device(local_rank, local_world, backend)
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    # torch's store may wait past the timeout (a client retries, and a port held by another
-    # program never answers) and cannot be interrupted: this timer ends the process instead.
-    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
-    deadline.start()
     kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    limit = datetime.timedelta(seconds=timeout)
-    try:  # device_id: NCCL connects now, on this process's GPU
-        dist.init_process_group(
-            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
-        )
+    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
+    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
+    # by another program never answers); this wait ends at either. device_id: NCCL connects
+    # now, on this process's GPU.
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    try:
+        joining.result(timeout + 2)
+    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
     return Dist(rank, world, device)
 
 

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import argparse
 import atexit
+import concurrent.futures
 import contextlib
 import datetime
+import fcntl
 import io
 import math
 import os
@@ -45,8 +47,6 @@ import re
 import signal
 import socket
 import sys
-import tempfile
-import threading
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -71,10 +71,9 @@ def main(args: argparse.Namespace) -> None:
         limit = datetime.timedelta(seconds=args.timeout)  # a new group's own: not the default's
         mismatched_collectives(d, dist.new_group(backend="gloo", timeout=limit))
     if d.rank == 0:
-        print(
+        say(
             f"mode {args.mode}: batches per rank {counts}, batch {args.batch_size}, "
             f"divide_by_initial_world_size={args.divide_by_initial}",
-            flush=True,
         )
     result, module = train(args, d, counts)
     everyone = [None] * d.world_size
@@ -84,8 +83,8 @@ def main(args: argparse.Namespace) -> None:
         rank0_writes(args.save_model, lambda f: torch.save(module.state_dict(), f), d)
         notes.append(f"rank 0 saved the weights to {args.save_model}")
     if d.rank == 0:
-        print("steps per rank: " + ", ".join(f"{r}: {e['steps']}" for r, e in enumerate(everyone)))
-        print(f"verified: {'; '.join(notes)}", flush=True)
+        say("steps per rank: " + ", ".join(f"{r}: {e['steps']}" for r, e in enumerate(everyone)))
+        say(f"verified: {'; '.join(notes)}")
 
 
 def batches_per_rank(args: argparse.Namespace, world_size: int) -> list[int]:
@@ -161,7 +160,7 @@ def train(args: argparse.Namespace, d: Dist, counts: list[int]) -> tuple[dict, n
                     one_step(x)
         except RuntimeError as e:
             if d.rank == 0:
-                print(f"rank 0 caught: {e}", flush=True)
+                say(f"rank 0 caught: {e}")
     else:
         find_uneven_end(inputs, one_step, side, d)
     result = dict(steps=len(grads), grads=grads, weight=linear.weight.item(), counter=counter.total)
@@ -281,10 +280,8 @@ def mismatched_collectives(d: Dist, side) -> None:
         # every rank prints torch's report, then all meet: a launcher stops all at the first exit
         sys.stderr.write(f"[rank {d.rank}] {' '.join(str(e).split())[:700]}\n")  # one write
         dist.barrier(group=side)
-        raise SetupError(
-            "collectives do not match across ranks: torch's report (from "
-            "TORCH_DISTRIBUTED_DEBUG=DETAIL) is above"
-        ) from e
+        # (torch's report comes from TORCH_DISTRIBUTED_DEBUG=DETAIL)
+        raise SetupError("collectives do not match across ranks: torch's report is above") from e
     raise CheckFailed("mismatch detected: DETAIL let mismatched collectives through")
 
 
@@ -309,14 +306,10 @@ def verify(everyone: list[dict], counts: list[int], args: argparse.Namespace) ->
     check(math.isclose(weights[0], w, rel_tol=1e-5, abs_tol=1e-6), "closed-form weight", detail)
     notes.append(f"{checked} gradients and the final weight match the closed form")
     if args.nonfinite:
-        skipped = [
-            sum(not applied for *_, applied in r["grads"]) for r in everyone if r["steps"] > skip
-        ]
-        check(
-            skipped == [1] * len(skipped),
-            "every rank skips the bad step",
-            f"ranks active at step {skip} skipped {skipped} steps",
-        )
+        active = [r for r in everyone if r["steps"] > skip]
+        skipped = [sum(not applied for *_, applied in r["grads"]) for r in active]
+        detail = f"ranks active at step {skip} skipped {skipped} steps"
+        check(skipped == [1] * len(skipped), "every rank skips the bad step", detail)
         notes.append(
             f"step {skip} (rank {args.nonfinite[0]}'s loss not finite) skipped on "
             f"all {len(skipped)} active ranks, its update left out"
@@ -328,9 +321,8 @@ def verify(everyone: list[dict], counts: list[int], args: argparse.Namespace) ->
         notes.append(f"all ranks stopped after {min(counts)} step(s)")
     if args.mode == "join-counter":
         totals = {r["counter"] for r in everyone}
-        expected = args.batch_size * sum(
-            sum(1 for n in counts if n > s) for s in range(max(counts)) if s != skip
-        )
+        steps = [s for s in range(max(counts)) if s != skip]  # each rank active: a batch
+        expected = args.batch_size * sum(sum(1 for n in counts if n > s) for s in steps)
         detail = f"ranks counted {sorted(totals)} samples, expected {expected}"
         check(totals == {expected}, "counter total", detail)
         notes.append(f"the SampleCounter counted {expected} samples on every rank")
@@ -346,6 +338,13 @@ def expected_gradient(step: int, counts: list[int], args: argparse.Namespace) ->
     active = [r for r, n in enumerate(counts) if n > step]
     total = sum(args.batch_size * (r + 1) for r in active)
     return total / (len(counts) if args.divide_by_initial else len(active))
+
+
+def say(text: str) -> None:
+    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
+    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
 
 
 def rank0_writes(path: Path, save, d: Dist) -> None:
@@ -381,10 +380,8 @@ def write_atomic(path: Path, data: bytes) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    raw = argparse.RawDescriptionHelpFormatter  # the docstring as written
-    parser = argparse.ArgumentParser(
-        description=__doc__.replace(run, ""), epilog=run, formatter_class=raw
-    )
+    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
 
     def add(group, name: str, what: str, **how) -> None:  # the help states a default once
         if how.get("default") is not None:
@@ -462,7 +459,14 @@ def output_file(text: str) -> Path:
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tempfile.TemporaryFile(dir=path.parent).close()
+        # A lock beside it, held by rank 0 (or the process that launches the job) until it
+        # ends: a second job that would write the same file is refused. lockf: a process's
+        # own (this one may name a file twice), not inherited by DataLoader workers.
+        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT)
+        if os.environ.get("RANK", "0") == "0":
+            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept: the fd is never closed
+    except BlockingIOError:  # (an OSError: caught first) held by another process
+        raise argparse.ArgumentTypeError(f"cannot write {text}: a running job writes it") from None
     except OSError as e:
         why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
         raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
@@ -522,16 +526,20 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
-        main(args)
-    except KeyboardInterrupt as e:  # from stop(): unwound, now one line
+        try:
+            main(args)
+        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
+            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
+            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
+        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
+            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+                traceback.print_exc()
+            end(1, f"error: {type(e).__name__}: {e}")
+        end(0)
+    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
+    # others, say) arrives while the rank is already ending on an error of its own
+    except KeyboardInterrupt as e:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
-    except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-        end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {e}")
-    except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-        if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo's: expected
-            traceback.print_exc()
-        end(1, f"error: {type(e).__name__}: {e}")
-    end(0)
 
 
 def stop(signum: int, frame) -> None:
@@ -541,8 +549,7 @@ def stop(signum: int, frame) -> None:
 
 def end(code: int, why: str = "") -> None:
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: ranks interleave
+    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
@@ -561,21 +568,22 @@ def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto"
         raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
     device = bind_device(local_rank, local_world, backend)
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    # torch's store may wait past the timeout (a client retries, and a port held by another
-    # program never answers) and cannot be interrupted: this timer ends the process instead.
-    late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-    deadline = threading.Timer(timeout + 2, end, (1, f"error: {late}"))
-    deadline.start()
     kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    limit = datetime.timedelta(seconds=timeout)
-    try:  # device_id: NCCL connects now, on this process's GPU
-        dist.init_process_group(
-            kind, rank=rank, world_size=world, timeout=limit, store=store, device_id=cuda
-        )
+    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
+    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
+    # by another program never answers); this wait ends at either. device_id: NCCL connects
+    # now, on this process's GPU.
+    pool = concurrent.futures.ThreadPoolExecutor(1)
+    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    try:
+        joining.result(timeout + 2)
+    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except (dist.DistError, RuntimeError, ValueError, OSError) as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    deadline.cancel()  # (after a failure the process ends in run_rank, timer or not)
     return Dist(rank, world, device)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import time
 
@@ -538,3 +539,28 @@ def test_a_node_rank_on_two_machines_fails_the_table_check():
     for row, local in zip(rows[2:], (0, 1)):
         row.update(local_rank=local, node_rank=1)
     script.verify_table(rows, 4)
+
+
+@pytest.mark.parametrize("init", ["env", "tcp"])
+def test_ctrl_c_while_a_rank_waits_for_its_peers_ends_it_at_once(init):
+    # torch's store waits in C++, where Python's signal handlers cannot run: Ctrl-C took
+    # effect only at --timeout. The rank joins in a thread and waits for it, ready for a
+    # signal. The peer here is a program that accepts the connection and never answers: once
+    # it has accepted, the rank is waiting inside init_process_group.
+    with socket.create_server(("127.0.0.1", 0)) as squatter:
+        squatter.settimeout(60)
+        port = squatter.getsockname()[1]
+        if init == "env":
+            job = Watched(SCRIPT, "--timeout", 60, env=alone(1, "127.0.0.1", port))
+        else:
+            manual = ["--rank", "1", "--world-size", "2", "--timeout", 60]
+            job = Watched(SCRIPT, "--init-method", f"tcp://127.0.0.1:{port}", *manual)
+        connection, _ = squatter.accept()
+        with connection:
+            signalled = time.monotonic()
+            os.kill(job.proc.pid, signal.SIGINT)
+            r = job.finish()
+    assert r.returncode == 130, r
+    assert time.monotonic() - signalled < 10, r  # not --timeout (60 s)
+    ours = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
+    assert ours == ["[rank 1] stopped by SIGINT"], r

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 
+import numpy as np
 import pytest
 import torch
 
-from launch import forked, load_script, run
+from launch import Watched, forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
-SUMMARY = re.compile(r"train loss ([\d.]+) -> ([\d.]+), acc ([\d.]+)% -> ([\d.]+)%")
+SUMMARY = re.compile(r"^summary: \d+ steps, .*; train loss ([\d.]+) -> ([\d.]+)$", re.M)
+EPOCH = re.compile(r"^epoch \d+ done: train loss ([\d.]+) acc ([\d.]+)%", re.M)
 VERIFIED = re.compile(
     r"^verified: (\d+) rank\(s\) hold identical parameters and buffers "
     r"\(([\d,]+) values, sha256 ([0-9a-f]{16})\)",
@@ -51,7 +55,10 @@ TINY = [
 
 
 def assert_trained(stdout: str, ranks: int) -> None:
-    first_loss, last_loss, first_acc, last_acc = map(float, SUMMARY.search(stdout).groups())
+    first_loss, last_loss = map(float, SUMMARY.search(stdout).groups())
+    epochs = EPOCH.findall(stdout)  # each epoch's line: its loss and accuracy
+    assert float(epochs[0][0]) == first_loss and float(epochs[-1][0]) == last_loss, stdout
+    first_acc, last_acc = float(epochs[0][1]), float(epochs[-1][1])
     assert last_loss < 0.7 * first_loss, stdout
     assert last_acc > first_acc + 10, stdout
     verified = VERIFIED.search(stdout)
@@ -419,7 +426,8 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     ranks = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert ranks == [f"[rank {i}] error: cannot write {model}: File too large" for i in (0, 1)], r
     assert model.read_bytes() == b"an earlier run's weights"
-    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
+    # no temporary file left; the lock file beside it stays (see output_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.pt.lock", "model.pt"]
 
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
@@ -479,3 +487,93 @@ def test_debug_detail_on_gloo_is_refused_where_it_crashes_ddp():
         ), r
     else:
         assert r.ok().stdout.strip().splitlines()[-1].startswith("verified: 1 rank(s)"), r
+
+
+def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
+    """root/{train,val}/CLASS/i.png: class a 16-bit greyscale (a ramp up to 65535, as
+    scientific and medical images hold), the others 8-bit RGB; and in every class folder a
+    macOS resource fork, ._0.png, which is not an image at all."""
+    from PIL import Image
+
+    ramp = np.arange(size[0] * size[1]).reshape(size) * 65535 // (size[0] * size[1] - 1)
+    for split in ("train", "val"):
+        for c, name in enumerate(classes):
+            folder = root / split / name
+            folder.mkdir(parents=True)
+            (folder / "._0.png").write_bytes(b"\x00\x05\x16\x07 Mac OS X resource fork")
+            for i in range(per_class):
+                if c == 0:
+                    Image.fromarray(ramp.astype(np.uint16)).save(folder / f"{i}.png")
+                else:
+                    Image.new("RGB", size, (30 * c, 200, 90)).save(folder / f"{i}.png")
+
+
+def test_16_bit_images_are_scaled_and_hidden_files_skipped(tmp_path):
+    # ImageFolder's RGB conversion saturated 16-bit greyscale (99.6% of pixels became 255)
+    # and read ._0.png as an image (UnidentifiedImageError in training)
+    image_tree(tmp_path)
+    script = load_script(SCRIPT)
+    to_tensor = script.torchvision.transforms.PILToTensor()
+    train = script.image_folder(tmp_path / "train", to_tensor)
+    assert len(train) == 8 and not any("._" in path for path, _ in train.samples)
+    pixels, label = train[0]  # class a's first: the 16-bit ramp, now 8 bits in each channel
+    assert label == 0 and pixels.dtype == torch.uint8 and pixels.shape == (3, 20, 20)
+    ramp = torch.arange(400).reshape(20, 20) * 65535 // 399
+    assert (pixels.int() - ramp // 256).abs().max() <= 1  # value / 256, not min(value, 255)
+    assert (pixels == 255).float().mean() < 0.01
+    r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--batch-size", 4, nproc=2).ok()
+    assert "8 train / 8 val images" in r.stdout and int(VERIFIED.search(r.stdout)[1]) == 2, r
+
+
+def test_a_symlink_loop_in_the_data_is_refused_naming_it(tmp_path):
+    # train/a/loop -> .. made ImageFolder walk train/ again below a: 32 images became 1,312,
+    # class b's labelled a
+    image_tree(tmp_path)
+    os.symlink("..", tmp_path / "train" / "a" / "loop")
+    r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--timeout", 30).failed()
+    twice = f"{tmp_path}/train/a/loop/a is {tmp_path}/train/a again: a symlink loop?"
+    assert r.stderr.strip().splitlines() == [f"[rank 0] error: --data {tmp_path}: {twice}"], r
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_path):
+    # a truncated JPEG in val/: it was a raw OSError traceback naming no file; read in a
+    # DataLoader worker (--workers 1), torch re-raises it holding the worker's traceback
+    from PIL import Image
+
+    image_tree(tmp_path)
+    bad = tmp_path / "val" / "b" / "9.jpg"
+    Image.new("RGB", (64, 64), (1, 2, 3)).save(bad, quality=95)
+    bad.write_bytes(bad.read_bytes()[:300])
+    args = ["--data", tmp_path, "--image-size", 16, "--batch-size", 4, "--workers", workers]
+    r = run(SCRIPT, *args, "--timeout", 30, launcher="spawn", nproc=2)
+    assert r.returncode == 1, r
+    # The rank whose shard holds it names it. The other learns it from Gloo (the connection
+    # closed) or from mp.spawn, which SIGTERMs it: one line either way.
+    ours = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
+    file = re.compile(rf"\[rank ([01])\] error: cannot read image {re.escape(str(bad))}: .+")
+    [named] = [line for line in ours if file.fullmatch(line)]
+    other = [line for line in ours if line != named]
+    assert [line[:8] for line in other] == [f"[rank {1 - int(file.fullmatch(named)[1])}]"], r
+    assert other[0].endswith("] stopped by SIGTERM") or "by peer" in other[0], r
+    assert "Traceback" not in r.stderr, r
+
+
+def test_a_second_job_writing_the_same_model_file_is_refused_at_start(tmp_path):
+    # Both printed "rank 0 saved them to same.pt" and the file held the second job's weights.
+    # Rank 0 (here the one process) holds a lock beside the file until the job ends.
+    model = tmp_path / "same.pt"
+    long = [*TINY[:-4], "--epochs", 1000, "--log-every", 1, "--timeout", 60]  # until stopped
+    first = Watched(SCRIPT, *long, "--save-model", model)
+    first.wait_for("step     1/")
+    second = run(SCRIPT, *TINY, "--save-model", model, launcher="spawn", nproc=2)
+    os.kill(first.proc.pid, signal.SIGTERM)
+    assert first.finish().returncode == 128 + signal.SIGTERM
+    assert second.returncode == 2, second
+    assert second.stderr.strip().splitlines()[-1] == (
+        f"03_ddp_train.py: error: argument --save-model: cannot write {model}: "
+        f"a running job writes it"
+    ), second
+    assert not model.exists()  # the second never started: its ranks wrote nothing
+    # once the first has ended, the file is free
+    assert run(SCRIPT, *TINY, "--save-model", model).ok() and model.stat().st_size > 0

@@ -200,7 +200,8 @@ def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path)
         f"[rank {i}] error: cannot write {predictions}: File too large" for i in (0, 1)
     ]
     assert predictions.read_text() == "an earlier run's predictions\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["pred.csv"]  # no temporary file left
+    # no temporary file left; the lock file beside it stays (see output_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".pred.csv.lock", "pred.csv"]
 
 
 @pytest.mark.parametrize(
@@ -255,3 +256,21 @@ def test_verify_outlasting_the_timeout_is_not_a_timeout():
         .splitlines()[-1]
         .endswith("identical to a one-process evaluation (counts exact, loss to 1e-6 relative)")
     )
+
+
+def test_image_folders_are_read_as_03_reads_them(tmp_path):
+    # 03's reader, the same text here (test_repo): 16-bit greyscale scaled to 8 bits, hidden
+    # files skipped, an unreadable image named in one line
+    from PIL import Image
+    from test_03_ddp_train import image_tree
+
+    image_tree(tmp_path)  # val: 4 16-bit images of class a, 4 RGB of b, and two ._0.png
+    r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--timeout", 30, nproc=2).ok()
+    assert "evaluated 8 samples on 2 rank(s)" in r.stdout, r
+    bad = tmp_path / "val" / "a" / "9.png"
+    Image.new("L", (16, 16)).save(bad)
+    bad.write_bytes(bad.read_bytes()[:40])
+    r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--timeout", 30).failed()
+    assert re.fullmatch(
+        rf"\[rank 0\] error: cannot read image {re.escape(str(bad))}: .+", r.stderr.strip()
+    ), r

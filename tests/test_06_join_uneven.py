@@ -221,4 +221,5 @@ def test_a_failed_save_ends_every_rank_with_rank_0s_line(tmp_path):
     ranks = sorted(line for line in r.failed().stderr.splitlines() if line.startswith("[rank "))
     assert ranks == [f"[rank {i}] error: cannot write {path}: File too large" for i in (0, 1)], r
     assert path.read_bytes() == b"an earlier run's weights"
-    assert [p.name for p in tmp_path.iterdir()] == ["model.pt"]  # no temporary file left
+    # no temporary file left; the lock file beside it stays (see output_file)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.pt.lock", "model.pt"]

@@ -14,6 +14,7 @@ import signal
 import subprocess
 
 import pytest
+import torch
 
 from launch import LAUNCH_VARS, PYTHON, REPO, Watched, exit_hook_env, forked, hooks_that_ran, run
 
@@ -185,3 +186,28 @@ def test_a_job_with_stdout_closed_succeeds_and_says_nothing_else(tmp_path):
     )
     assert (done.returncode, done.stderr) == (0, ""), done
     assert hooks_that_ran(tmp_path) == ["rank0", "rank1"]
+
+
+def test_a_job_piped_into_a_reader_that_has_gone_trains_to_the_end(tmp_path):
+    # `python 03_ddp_train.py | head -1`: once head has exited, the next progress line
+    # raised BrokenPipeError and training died with its traceback. Here the reader is gone
+    # before the job starts, so every line rank 0 prints meets a broken pipe; the job must
+    # still train, save and succeed. (A pipe whose read end is closed: no race with head.)
+    model = tmp_path / "model.pt"
+    args = [*LONG[:-6], "--epochs", 2, "--spawn", 2, "--save-model", model]
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        done = subprocess.run(
+            [PYTHON, str(REPO / "03_ddp_train.py"), *map(str, args)],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=120,
+            env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+        )
+    finally:
+        os.close(write)
+    assert (done.returncode, done.stderr) == (0, ""), done
+    weights = torch.load(model, weights_only=True)  # the finished job's, written whole
+    assert weights["fc.weight"].shape == (10, 512)

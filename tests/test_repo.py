@@ -36,7 +36,15 @@ MAX_CODE_LINES = {
 EXTRA_FOR_04 = 300  # 04 is 03 plus the checkpoint lesson: at most this many code lines more
 MAX_PARAMETERS = 6
 # Helpers that several scripts need, outside the shared block: one text wherever they appear.
-SHARED_HELPERS = ("number", "output_file", "write_atomic", "rank0_writes")
+SHARED_HELPERS = (
+    "number",
+    "output_file",
+    "write_atomic",
+    "rank0_writes",
+    "say",
+    "image_folder",
+    "load_image",
+)
 
 
 def shared_block(text: str) -> str:
@@ -116,6 +124,7 @@ def definitions(script) -> dict[str, str]:
 def test_a_helper_shared_by_several_scripts_is_the_same_wherever_it_appears(name):
     copies = {script.name: definitions(script).get(name) for script in SCRIPTS}
     texts = {text for text in copies.values() if text}
+    assert sum(1 for text in copies.values() if text) >= 2, f"{name}: in one script only"
     assert len(texts) == 1, f"{name} differs between {[s for s, t in copies.items() if t]}"
 
 
