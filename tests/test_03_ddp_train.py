@@ -546,10 +546,10 @@ def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_pat
     Image.new("RGB", (64, 64), (1, 2, 3)).save(bad, quality=95)
     bad.write_bytes(bad.read_bytes()[:300])
     args = ["--data", tmp_path, "--image-size", 16, "--batch-size", 4, "--workers", workers]
-    r = run(SCRIPT, *args, "--timeout", 30, launcher="spawn", nproc=2)
+    r = forked(SCRIPT, *args, "--timeout", 30, nproc=2)
     assert r.returncode == 1, r
     # The rank whose shard holds it names it. The other learns it from Gloo (the connection
-    # closed) or from mp.spawn, which SIGTERMs it: one line either way.
+    # closed) or, under a launcher, from its SIGTERM: one line either way.
     ours = [line for line in r.stderr.splitlines() if line.startswith("[rank")]
     file = re.compile(rf"\[rank ([01])\] error: cannot read image {re.escape(str(bad))}: .+")
     [named] = [line for line in ours if file.fullmatch(line)]
@@ -576,4 +576,4 @@ def test_a_second_job_writing_the_same_model_file_is_refused_at_start(tmp_path):
     ), second
     assert not model.exists()  # the second never started: its ranks wrote nothing
     # once the first has ended, the file is free
-    assert run(SCRIPT, *TINY, "--save-model", model).ok() and model.stat().st_size > 0
+    assert forked(SCRIPT, *TINY, "--save-model", model).ok() and model.stat().st_size > 0
