@@ -366,7 +366,8 @@ def number(cast, low: float, high: float = 2**32):
 
 
 def output_file(text: str) -> Path:
-    """An argparse type for a file this run writes: tried now (folder made, file created)."""
+    """An argparse type for a file this run writes: tried now (folder made, a file created
+    in it: the lock below)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")

@@ -156,9 +156,9 @@ def build_dataset(args: argparse.Namespace):
 def image_folder(root: Path, transform) -> ImageFolder:
     """torchvision's ImageFolder (root/CLASS/IMAGE), plus what it leaves unchecked: hidden
     files (macOS's ._x.png) are not images, and no folder is reached twice (a symlink loop
-    would repeat its images under another class). 05_eval_gather.py reads --data the same."""
+    would repeat its images under another class). 03, 04 and 05 read --data with it."""
 
-    def is_image(path: str) -> bool:  # hidden files (macOS's ._x.png) are not
+    def is_image(path: str) -> bool:  # an image's extension, and not a hidden file
         return not os.path.basename(path).startswith(".") and path.lower().endswith(IMG_EXTENSIONS)
 
     try:
@@ -173,7 +173,7 @@ def image_folder(root: Path, transform) -> ImageFolder:
     return images
 
 
-def load_image(path: str):
+def load_image(path: str) -> PIL.Image.Image:
     """The image at path in RGB, or a SetupError naming the file. 16-bit greyscale (common in
     scientific and medical imaging) is scaled to 8 bits: converted as it is, it saturates."""
     try:
@@ -467,7 +467,8 @@ def number(cast, low: float, high: float = 2**32):
 
 
 def output_file(text: str) -> Path:
-    """An argparse type for a file this run writes: tried now (folder made, file created)."""
+    """An argparse type for a file this run writes: tried now (folder made, a file created
+    in it: the lock below)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
