@@ -52,7 +52,7 @@ import threading
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import NamedTuple
 
@@ -669,7 +669,8 @@ def read_checkpoint(path: Path) -> dict:
         saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - any failure to unpickle means unreadable
         raise Unreadable(f"torch.load failed: {str(e).splitlines()[0]}") from e
-    required = {"model", "optimizer", "scheduler", "epoch", "step", "rng", "world_size", "args"}
+    # every key save() writes: TrainState's fields (its state_dict), and the rest
+    required = {*(field.name for field in fields(TrainState)), "rng", "world_size", "args"}
     missing = required - set(saved) if isinstance(saved, dict) else required
     if missing:
         raise Unreadable(f"not a checkpoint of this script (no {', '.join(sorted(missing))})")

@@ -261,7 +261,8 @@ def test_a_folder_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).failed()
     reasons = (
         "step-00000030.pt: not a checkpoint of this script (no args, epoch, model, optimizer, "
-        "rng, scheduler, step, world_size); step-00000020.pt: no step-00000020.pt.sha256: the "
+        "position, rng, scaler, scheduler, seen, step, sums, world_size); step-00000020.pt: no "
+        "step-00000020.pt.sha256: the "
         "save did not finish; step-00000010.pt: sha256 mismatch (14 bytes): truncated or "
         "corrupted"
     )
