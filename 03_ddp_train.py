@@ -169,7 +169,7 @@ def load_image(path: str) -> PIL.Image.Image:
     try:
         image = PIL.Image.open(path)
         if image.mode.startswith("I"):  # "I;16" and kin: values up to 65535
-            image = image.point(lambda value: value / 256)
+            image = image.convert("I").point(lambda value: value / 256)  # (I;16B has no point)
         return image.convert("RGB")
     except (OSError, SyntaxError, ValueError) as e:  # truncated, or not an image at all
         raise SetupError(f"cannot read image {path}: {e}") from None

@@ -521,6 +521,12 @@ def test_16_bit_images_are_scaled_and_hidden_files_skipped(tmp_path):
     ramp = torch.arange(400).reshape(20, 20) * 65535 // 399
     assert (pixels.int() - ramp // 256).abs().max() <= 1  # value / 256, not min(value, 255)
     assert (pixels == 255).float().mean() < 0.01
+    # the same ramp big-endian, as 16-bit TIFFs often are (Pillow's mode I;16B)
+    from PIL import Image
+
+    tiff = tmp_path / "ramp.tif"
+    Image.frombytes("I;16B", (20, 20), ramp.numpy().astype(">u2").tobytes()).save(tiff)
+    assert torch.equal(to_tensor(script.load_image(str(tiff))), pixels)
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--batch-size", 4, nproc=2).ok()
     assert "8 train / 8 val images" in r.stdout and int(VERIFIED.search(r.stdout)[1]) == 2, r
 
