@@ -101,13 +101,13 @@ def kill_tree(proc) -> None:
 
 
 def start(
-    cmd: list[str], env: dict | None = None, gpu: bool = False, ignore=()
+    cmd: list[str], env: dict | None = None, gpu: bool = False, ignore=(), cpus=None
 ) -> subprocess.Popen:
     """gpu=False (the CPU lane) hides CUDA from the launch, so --backend auto means Gloo
     even on a machine with GPUs; the GPU lane (tests/test_gpu.py) passes gpu=True. The
     launch starts with the default action for SIGINT, SIGTERM and SIGHUP, whatever the
     test session inherited (a background job of a shell ignores SIGINT), but for the
-    signals in ignore, which it ignores (as under nohup)."""
+    signals in ignore, which it ignores (as under nohup). cpus: the cores it may run on."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
     if not gpu:
         full_env["CUDA_VISIBLE_DEVICES"] = ""
@@ -118,6 +118,8 @@ def start(
     def dispositions() -> None:  # in the child, before exec: not those of a background shell
         for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
+        if cpus is not None:
+            os.sched_setaffinity(0, cpus)
 
     return subprocess.Popen(
         cmd,
@@ -350,11 +352,12 @@ class Watched:
         env: dict | None = None,
         extra=(),
         ignore=(),
+        cpus=None,
     ):
         self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
         self.started = time.monotonic()
         self.deadline = self.started + timeout
-        self.proc = start(self.cmd, env, ignore=ignore)
+        self.proc = start(self.cmd, env, ignore=ignore, cpus=cpus)
         self.lines: queue.Queue = queue.Queue()
         self.err_lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
