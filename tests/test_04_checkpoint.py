@@ -156,9 +156,9 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     deadline, writing = time.monotonic() + 60, []
     while not writing:  # a write lasts a few ms; the folder is looked at every ms
         assert time.monotonic() < deadline, "no write after step 3 seen"
+        time.sleep(0.001)  # a loop that never slept took a core from the job (6 s, not 0.1 s)
         writing = [int(p.name[6:14]) for p in tmp_path.glob(".step-*.pt.tmp*")]
         writing = [step for step in writing if step > 3]
-        time.sleep(0.001)  # a loop that never slept took a core from the job (6 s, not 0.1 s)
     os.kill(job.proc.pid, signal.SIGKILL)  # the write is under way
     assert job.finish().returncode == -9
     again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
