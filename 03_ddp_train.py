@@ -29,7 +29,6 @@ import atexit
 import concurrent.futures
 import contextlib
 import datetime
-import fcntl
 import hashlib
 import io
 import math
@@ -400,44 +399,6 @@ def summary(history: list, state: TrainState, d: Dist) -> str:
     return f"summary: {state.step} steps, {speed} on {d.world_size} rank(s); {loss}"
 
 
-def say(text: str) -> None:
-    """Print a line of the story, flushed. Text that cannot be written (stdout closed, or a
-    pipe into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
-    with contextlib.suppress(OSError):
-        print(text, flush=True)
-
-
-def rank0_writes(path: Path, save, d: Dist) -> None:
-    """Rank 0 runs save(file) into memory and writes the result to path whole (write_atomic);
-    then every rank raises rank 0's error, if any. The others wait for that outcome, not in
-    a barrier, where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)
-        try:
-            write_atomic(path, buffer.getvalue())
-        except SetupError as e:
-            error = [str(e)]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: name the file, not a traceback
-        tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror or e}") from e
-
-
 def build_parser() -> argparse.ArgumentParser:
     run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
     parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
@@ -505,10 +466,33 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def number(cast, low: float, high: float = 2**32):
+# ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
+
+
+class SetupError(RuntimeError):
+    """The job cannot run as configured: the message says why."""
+
+
+class CheckFailed(RuntimeError):
+    """A property this script demonstrates did not hold."""
+
+
+def check(ok, name, detail):
+    if not ok:
+        raise CheckFailed(f"{name}: {detail}")
+
+
+def say(text):
+    """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
+    into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    with contextlib.suppress(OSError):
+        print(text, flush=True)
+
+
+def number(cast, low, high=2**32):
     """An argparse type: a number with low <= value < high, which nan and inf never are."""
 
-    def parse(text: str):
+    def parse(text):
         value = cast(text)
         if not low <= value < high:
             raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
@@ -518,74 +502,90 @@ def number(cast, low: float, high: float = 2**32):
     return parse
 
 
-def output_file(text: str) -> Path:
-    """An argparse type for a file this run writes: tried now (folder made, a file created
-    in it: the lock below)."""
+def output_file(text):
+    """An argparse type for a file the job writes: its folder is made now and must be
+    writable, so that a bad path ends the run before any work is done."""
     path = Path(text)
-    if path.is_dir():
-        raise argparse.ArgumentTypeError(f"cannot write {text}: it is a folder")
-    try:
+    with contextlib.suppress(OSError):  # a file in the way, say: named below
         path.parent.mkdir(parents=True, exist_ok=True)
-        # A lock beside it, held by rank 0 (or the process that launches the job) until it
-        # ends: a second job that would write the same file is refused. lockf: a process's
-        # own (this one may name a file twice), not inherited by DataLoader workers.
-        lock = os.open(path.with_name(f".{path.name}.lock"), os.O_WRONLY | os.O_CREAT)
-        if os.environ.get("RANK", "0") == "0":
-            fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # kept: the fd is never closed
-    except BlockingIOError:  # (an OSError: caught first) held by another process
-        raise argparse.ArgumentTypeError(f"cannot write {text}: a running job writes it") from None
-    except OSError as e:
-        why = "not a folder" if isinstance(e, FileExistsError) else e.strerror
-        raise argparse.ArgumentTypeError(f"cannot write {text}: {e.filename}: {why}") from None
+    if path.is_dir() or not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
     return path
 
 
-# ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
+def rank0_writes(path, save, d):
+    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
+    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
+    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
 
 
-class SetupError(RuntimeError): ...  # the job cannot run as configured: the message says why
+def write_atomic(path, data):
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    except OSError as e:  # a full disk, say: name the file, not a traceback
+        tmp.unlink(missing_ok=True)
+        raise SetupError(f"cannot write {path}: {e.strerror}") from e
 
 
-class CheckFailed(RuntimeError): ...  # a property this script demonstrates did not hold
-
-
-def check(ok: bool, name: str, detail: str) -> None:
-    if not ok:
-        raise CheckFailed(f"{name}: {detail}")
-
-
-def add_launch_args(parser: argparse.ArgumentParser) -> None:
-    if tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 4):  # the oldest tested
+def add_launch_args(parser):
+    if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
     g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    spawn = "start N processes with mp.spawn; N left out or 0: one per GPU, else 2"
-    g.add_argument("--spawn", nargs="?", const=0, type=number(int, 0), metavar="N", help=spawn)
-    wait = "seconds to wait for a peer or a collective (default: %(default)g)"
-    g.add_argument("--timeout", type=number(float, 0.1, 1e6), default=300.0, help=wait)
+    g.add_argument(
+        "--spawn",
+        nargs="?",
+        const=0,
+        type=number(int, 0),
+        metavar="N",
+        help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
+    )
+    g.add_argument(
+        "--timeout",
+        type=number(float, 0.1, 1e6),
+        default=300.0,
+        help="seconds to wait for a peer or a collective (default: %(default)g)",
+    )
 
 
-def launch(main, args: argparse.Namespace) -> None:
+def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
-        if args.spawn is not None:
-            sys.exit("error: --spawn starts processes itself; under a launcher, drop it")
         run_rank(None, main, args)
-    n = str(1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2)
+    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
-        port = str(s.getsockname()[1])
+        port = s.getsockname()[1]
     # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, WORLD_SIZE=n, LOCAL_WORLD_SIZE=n)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
+    )
     if args.spawn is None:  # no launcher: a world of one, through the same code path
         run_rank(0, main, args)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=int(n))  # run_rank(i, main, args), i < n
+        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
         sys.exit(128 + signal.SIGINT)
 
 
-def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
+def run_rank(index, main, args):
     """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
@@ -595,11 +595,16 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
     try:
         try:
             main(args)
-        except (SetupError, CheckFailed, dist.DistError) as e:  # expected: one line says why
-            why = str(e).strip().rpartition("SetupError: ")[2]  # from a DataLoader worker: the end
-            end(1, f"{'CHECK FAILED' if isinstance(e, CheckFailed) else 'error'}: {why}")
-        except Exception as e:  # a bug, most likely in code pasted in: keep its traceback
-            if not re.search(r"third_party/gloo|pair closure|by peer", str(e)):  # Gloo: expected
+        except CheckFailed as e:
+            end(1, f"CHECK FAILED: {e}")
+        except (SetupError, dist.DistError) as e:  # expected: one line says why
+            # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
+            end(1, "error: " + str(e).strip().rpartition("SetupError: ")[2])
+        except Exception as e:
+            # Raised in torch.distributed: a collective failed (a peer is gone, say), and
+            # torch's message says so. Raised anywhere else: a bug, keep its traceback.
+            where = traceback.extract_tb(e.__traceback__)[-1].filename
+            if not where.startswith(os.path.dirname(dist.__file__)):
                 traceback.print_exc()
             end(1, f"error: {type(e).__name__}: {e}")
         end(0)
@@ -609,59 +614,70 @@ def run_rank(index: int | None, main, args: argparse.Namespace) -> None:
         end(128 + signal.Signals[str(e)], f"stopped by {e}")
 
 
-def stop(signum: int, frame) -> None:
+def stop(signum, frame):
     # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
     raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
-def end(code: int, why: str = "") -> None:
+def end(code, why=""):
     """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
-    sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n" if why else "")  # one write, whole
+    if why:
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
 
 
-# who this process is in the job: setup() returns it
-Dist = NamedTuple("Dist", [("rank", int), ("world_size", int), ("device", torch.device)])
+class Dist(NamedTuple):
+    """Who this process is in the job: setup() returns it."""
+
+    rank: int
+    world_size: int
+    device: torch.device
 
 
-def setup(timeout: float, store: dist.Store | None = None, backend: str = "auto") -> Dist:
+def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
-    env = [os.environ.get(k, "") for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    env = [os.environ.get(name, "") for name in names]
     rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are {env}: invalid")
-    device = bind_device(local_rank, local_world, backend)
-    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-    kind, cuda = ("nccl", device) if device.type == "cuda" else ("gloo", None)
-    how = dict(rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout))
+        raise SetupError(f"{', '.join(names)} are {env}: invalid")
+    device = bind_device(local_rank, local_world, gloo)
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
-    pool = concurrent.futures.ThreadPoolExecutor(1)
-    joining = pool.submit(dist.init_process_group, kind, store=store, device_id=cuda, **how)
+    joining = concurrent.futures.ThreadPoolExecutor(1).submit(
+        dist.init_process_group,
+        "nccl" if device.type == "cuda" else "gloo",
+        store=store,
+        rank=rank,
+        world_size=world,
+        timeout=datetime.timedelta(seconds=timeout),
+        device_id=device if device.type == "cuda" else None,
+    )
+    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         joining.result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        raise SetupError(late) from None
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
+        raise SetupError(f"not all of {world} ranks joined within {timeout:g}s ({where})") from None
+    except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
     return Dist(rank, world, device)
 
 
-def bind_device(local_rank: int, local_world: int, backend: str = "auto") -> torch.device:
+def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
-    mine, parents = affinity(0), affinity(os.getppid())  # the cores each may run on
+    mine = affinity(0)  # the cores this process may run on
     # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
     # else (torchrun, mp.spawn) the node's processes share them
-    torch.set_num_threads(len(mine) if mine < parents else max(1, len(mine) // local_world))
-    if backend == "gloo" or not (backend == "nccl" or torch.cuda.is_available()):
+    alone = mine < affinity(os.getppid())
+    torch.set_num_threads(len(mine) if alone else max(1, len(mine) // local_world))
+    if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
     # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
