@@ -142,27 +142,21 @@ def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
     return train_set, val_set, len(train_set.classes)
 
 
-def image_folder(root: Path, transform) -> ImageFolder:
-    """torchvision's ImageFolder (root/CLASS/IMAGE), plus what it leaves unchecked: hidden
-    files (macOS's ._x.png) are not images, and no folder is reached twice (a symlink loop
-    would repeat its images under another class). 03, 04 and 05 read --data with it."""
+def image_folder(root, transform):
+    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files: macOS's ._x.png
+    are not images. 03, 04 and 05 read --data with it."""
 
-    def is_image(path: str) -> bool:  # an image's extension, and not a hidden file
-        return not os.path.basename(path).startswith(".") and path.lower().endswith(IMG_EXTENSIONS)
+    def is_image(path):
+        name = os.path.basename(path)
+        return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
 
     try:
-        images = ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
+        return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
         raise SetupError(f"--data {root.parent}: {e}") from e
-    folders = {}
-    for here in sorted({os.path.dirname(path) for path, _ in images.samples}):
-        first = folders.setdefault(os.path.realpath(here), here)
-        if first != here:
-            raise SetupError(f"--data {root.parent}: {here} is {first} again: a symlink loop?")
-    return images
 
 
-def load_image(path: str) -> PIL.Image.Image:
+def load_image(path):
     """The image at path in RGB, or a SetupError naming the file. 16-bit greyscale (common in
     scientific and medical imaging) is scaled to 8 bits: converted as it is, it saturates."""
     try:
