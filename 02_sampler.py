@@ -1,10 +1,5 @@
 r"""02_sampler.py: how DistributedSampler splits a dataset across ranks, shown and checked.
 
-Each rank loads a small dataset whose items are their own indices through
-DataLoader(sampler=DistributedSampler(...)); rank 0 gathers what every rank got and prints
-who got which sample, which samples were padding repeats and which were dropped, and
-checks every claim below at run time.
-
 Run
   torchrun --standalone --nproc_per_node 3 02_sampler.py --dataset-size 10
   python 02_sampler.py --spawn 4 --dataset-size 10 --drop-last
@@ -15,13 +10,22 @@ Run
   torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 02_sampler.py
 
+Each rank loads a small dataset whose item i is i, through
+DataLoader(sampler=DistributedSampler(...)). Rank 0 prints who got which sample, which
+samples were padding repeats (*) and which were dropped; every rank checks what every rank
+got against the algorithm below, and that no two ranks, workers or epochs drew the same
+random "augmentations".
+
 How DistributedSampler(dataset, num_replicas=W, rank=r, shuffle, seed, drop_last) works,
 for a dataset of N samples:
   1. order = torch.randperm(N) seeded with seed + epoch (or 0..N-1 without shuffle);
-     every rank computes the same order, because they share seed and epoch.
+     every rank computes the same order, because they share seed and epoch. The epoch is
+     what sampler.set_epoch(epoch) said last: forget to call it and every epoch repeats
+     epoch 0's order.
   2. drop_last=False: repeat the head of the order until its length is a multiple of W
-     (ceil(N/W) per rank; some samples are seen twice). drop_last=True: cut the tail to a
-     multiple of W (floor(N/W) per rank; N mod W samples are not seen this epoch).
+     (ceil(N/W) per rank; some samples are seen twice, and an evaluation over these shards
+     would count them twice: 05_eval_gather.py counts each once). drop_last=True: cut the
+     tail to a multiple of W (floor(N/W) per rank; N mod W samples are not seen this epoch).
   3. rank r takes order[r], order[r+W], order[r+2W], ...
 Every rank therefore yields the same number of samples, which DDP needs: a rank with
 fewer batches would stop calling the gradient all-reduce and the others would wait for it.
@@ -29,10 +33,12 @@ The sampler's drop_last is not the DataLoader's: DataLoader(drop_last=True) drop
 last, short batch. A training loop with BatchNorm wants that (03_ddp_train.py does it): a
 batch of one image fails there ("Expected more than 1 value per channel when training").
 
+Random augmentation in DataLoader workers: worker k seeds its torch RNG with base + k, and
+the DataLoader draws base from the torch RNG of the process that iterates it. Seed that by
+rank: with one seed on every rank, worker k of every rank makes the same "random" crops.
+
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
-
-from __future__ import annotations
 
 import argparse
 import atexit
@@ -40,294 +46,171 @@ import concurrent.futures
 import contextlib
 import datetime
 import io
-import json
 import math
 import os
-import re
 import signal
 import socket
 import sys
 import traceback
+import zlib
 from pathlib import Path
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.utils.data import DataLoader, Dataset, get_worker_info
+from torch.utils.data import DataLoader, Dataset
 from torch.utils.data.distributed import DistributedSampler
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args):
     d = setup(args.timeout)
-    mine = run_epochs(args, d)  # [{"indices": ..., "streams": ...} per epoch], this rank's
+    mine = run_epochs(args)  # (this rank's samples in each epoch, its augmentation draws)
     everyone = [None] * d.world_size
     dist.all_gather_object(everyone, mine)  # small Python lists: all_gather_object is fine
-    n, w = args.dataset_size, d.world_size
-    per_rank = expected_per_rank(n, w, args.drop_last)
     if d.rank == 0:
         say(
-            f"{n} samples, {w} rank(s), shuffle={args.shuffle} seed={args.seed} "
-            f"drop_last={args.drop_last}: {per_rank} per rank per epoch, batches of "
-            f"{args.batch_size}, {args.workers} worker(s)  (* = padding repeat)"
+            f"{args.dataset_size} samples, {d.world_size} rank(s), shuffle={args.shuffle} "
+            f"seed={args.seed} drop_last={args.drop_last}, {args.workers} worker(s)"
         )
 
     # ---- checks: every rank checks the gathered data, so a failed check stops all together
-    orders, dump = [], {"world_size": w, "dataset_size": n, "epochs": {}}
+    orders = set()  # each epoch's shards, as text (a list does not hash)
     for epoch in range(args.epochs):
-        shards = [everyone[r][epoch]["indices"] for r in range(w)]
-        dump["epochs"][str(epoch)] = {str(r): s for r, s in enumerate(shards)}
+        shards = [samples[epoch] for samples, _ in everyone]
+        told = 0 if args.forget_set_epoch else epoch  # the epoch the sampler was last told
+        expected = documented_shards(args, d.world_size, told)
+        wrong = [r for r in range(d.world_size) if shards[r] != expected[r]]
+        check(not wrong, "documented shards", f"epoch {epoch}: ranks {wrong} got other samples")
+        orders.add(str(shards))
         if d.rank == 0:
-            say(f"epoch {epoch}\n{shard_table(shards, n)}")
-        repeats, dropped = verify_epoch(shards, n, args.drop_last)
-        if d.rank == 0 and dropped:
-            say(
-                f"  dropped: {' '.join(map(str, dropped[:16]))}"
-                + (f" ... (+{len(dropped) - 16})" if len(dropped) > 16 else "")
-            )
-        orders.append(interleave(shards)[:n])  # with drop_last: the head that was kept
-    order_note = verify_order(orders, n, args)
-    draws_note = verify_draws(everyone)
-    dump["draws"] = {
-        str(r): [{str(k): v for k, v in e["streams"].items()} for e in everyone[r]]
-        for r in range(w)
-    }
+            show(epoch, shards, args.dataset_size)
+    draws = [x for _, drawn in everyone for x in drawn]
+    repeats = len(draws) - len(set(draws))
+    check(repeats == 0, "distinct augmentations", f"{repeats} draws repeat another's")
+    checksum = zlib.crc32(str(draws).encode())  # the same on every launch with this --seed
     if d.rank == 0:
-        if args.dump_indices:
-            write_atomic(args.dump_indices, json.dumps(dump).encode())
-        if repeats:
-            say(
-                f"note: {repeats} padding repeat(s) per epoch; an evaluation over these "
-                f"shards would count those samples again (05_eval_gather.py counts each once)"
-            )
-        if per_rank == 0:
-            say(f"note: {n} sample(s) for {w} ranks with drop_last: every rank gets nothing")
-        say(order_note)
+        if args.forget_set_epoch:
+            say("BUG SHOWN: set_epoch never called, so every epoch repeated epoch 0's order")
         say(
-            f"verified: {w} rank(s) x {per_rank} samples per epoch; "
-            + (
-                "shards disjoint, " + f"{len(dropped)} dropped per epoch"
-                if args.drop_last
-                else f"shards cover all {n}, {repeats} padding repeat(s)"
-            )
-            + f"; {draws_note}",
+            f"verified: {d.world_size} rank(s) x {len(shards[0])} samples per epoch, as "
+            f"documented; {len(orders)} distinct order(s) in {args.epochs} epoch(s)"
         )
+        say(f"verified: {len(draws)} augmentation draws, all distinct (checksum {checksum:08x})")
 
 
-def run_epochs(args: argparse.Namespace, d: Dist) -> list[dict]:
-    rank_seed = args.seed * 1000 + d.rank  # differs across ranks, fixed by --seed
-    loader, sampler = make_loader(args, d, rank_seed)
-    torch.manual_seed(rank_seed)  # draws made in this process (num_workers=0)
-    epochs = []
+def run_epochs(args):
+    """Iterate this rank's DataLoader; return (its samples in each epoch, its draws)."""
+    dataset = IndexDataset(args.dataset_size)
+    # num_replicas and rank: by default the process group's world size and this rank
+    sampler = DistributedSampler(
+        dataset, shuffle=args.shuffle, seed=args.seed, drop_last=args.drop_last
+    )
+    # The sampler's seed is the same on every rank; the augmentations' differs by rank (the
+    # docstring says why), and is reproducible from --seed. Without workers the dataset
+    # draws from this RNG itself.
+    torch.manual_seed(args.seed + dist.get_rank())
+    # Workers start by multiprocessing's default method: fork on Linux under torchrun, but
+    # spawn in --spawn's children; then each worker imports torch and this script afresh
+    # (seconds on a small CPU), once with persistent_workers, and the dataset must pickle.
+    loader = DataLoader(
+        dataset,
+        batch_size=4,  # batches split a rank's shard; they never change who gets what
+        sampler=sampler,
+        num_workers=args.workers,
+        persistent_workers=args.workers > 0,
+    )
+    samples = []
+    draws = []
     for epoch in range(args.epochs):
         if not args.forget_set_epoch:
             sampler.set_epoch(epoch)  # same seed + epoch on every rank: a new shared order
-        indices, streams = [], {}
-        for batch_indices, workers, draws in loader:
-            indices += batch_indices.tolist()
-            for w, x in zip(workers.tolist(), draws.tolist()):
-                streams.setdefault(w, []).append(x)
-        epochs.append({"indices": indices, "streams": streams})
-    return epochs
-
-
-def make_loader(args: argparse.Namespace, d: Dist, rank_seed: int):
-    dataset = IndexDataset(args.dataset_size)
-    sampler = DistributedSampler(
-        dataset,
-        num_replicas=d.world_size,
-        rank=d.rank,
-        shuffle=args.shuffle,
-        seed=args.seed,
-        drop_last=args.drop_last,
-    )
-    # Worker RNGs are seeded from base_seed + worker id, and base_seed is drawn from this
-    # generator. Seeded by rank, it differs across ranks (otherwise every rank's worker k
-    # would make the same "random" augmentations) yet is reproducible from --seed.
-    generator = torch.Generator().manual_seed(rank_seed)
-    # Workers start by multiprocessing's default method: fork on Linux under torchrun, but
-    # spawn in --spawn's children (started by spawn, they default to it); then each worker
-    # imports torch and this script afresh (seconds per worker on a small CPU; once, with
-    # persistent_workers) and the dataset must pickle.
-    loader = DataLoader(
-        dataset,
-        batch_size=args.batch_size,
-        sampler=sampler,
-        num_workers=args.workers,
-        generator=generator,
-        persistent_workers=args.workers > 0,  # no worker restart per epoch
-        pin_memory=d.device.type == "cuda",
-    )  # faster host-to-GPU copies
-    return loader, sampler
+        samples.append([])
+        for indices, batch_draws in loader:
+            samples[-1] += indices.tolist()
+            draws += batch_draws.tolist()
+    return samples, draws
 
 
 class IndexDataset(Dataset):
-    """Item i is (i, the loader worker that built it, one random 'augmentation' draw)."""
+    """Item i is (i, one random draw): a stand-in for a random crop, from the torch RNG of the
+    process that loads it (a DataLoader worker, or the rank itself without workers)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size):
         self.size = size
 
-    def __len__(self) -> int:
+    def __len__(self):
         return self.size
 
-    def __getitem__(self, index: int):
-        worker = get_worker_info()
-        # A stand-in for a random crop or flip: drawn from this worker's torch RNG.
-        draw = int(torch.randint(0, 2**31 - 1, ()))
-        return index, (worker.id if worker else -1), draw
+    def __getitem__(self, index):
+        return index, torch.randint(2**62, ()).item()  # 62 bits: no repeats by chance
 
 
-def expected_per_rank(n: int, world_size: int, drop_last: bool) -> int:
-    return n // world_size if drop_last else math.ceil(n / world_size)
+def documented_shards(args, world_size, epoch):
+    """Each rank's samples in that epoch, by the three steps in this file's docstring."""
+    n = args.dataset_size
+    order = list(range(n))
+    if args.shuffle:
+        generator = torch.Generator().manual_seed(args.seed + epoch)
+        order = torch.randperm(n, generator=generator).tolist()
+    if args.drop_last:
+        order = order[: n - n % world_size]
+    else:
+        order = (order * world_size)[: math.ceil(n / world_size) * world_size]
+    return [order[r::world_size] for r in range(world_size)]
 
 
-# ---- checks: what rank 0 shows, and what every rank checks ------------------------------
-
-
-def shard_table(shards: list[list[int]], n: int, limit: int = 16) -> str:
+def show(epoch, shards, n, limit=16):
+    """Print each rank's samples; * marks a padding repeat, a position r + j*W >= N."""
     w = len(shards)
-    lines = []
+    say(f"epoch {epoch}")
     for r, shard in enumerate(shards):
-        # Position r + j*W of the padded order is a repeat of the head when it is >= N.
-        cells = [f"{x}*" if r + j * w >= n else str(x) for j, x in enumerate(shard[:limit])]
-        more = f" ... (+{len(shard) - limit})" if len(shard) > limit else ""
-        lines.append(f"  rank {r}: {' '.join(cells) if cells else '(nothing)'}{more}")
-    return "\n".join(lines)
+        cells = [f"{x}*" if r + j * w >= n else str(x) for j, x in enumerate(shard)]
+        more = " ..." if len(cells) > limit else ""
+        say(f"  rank {r}: {' '.join(cells[:limit])}{more}")
+    dropped = set(range(n)).difference(*shards)
+    if dropped:
+        say(f"  dropped: {' '.join(map(str, sorted(dropped)))}")
 
 
-def verify_epoch(shards: list[list[int]], n: int, drop_last: bool) -> tuple[int, list[int]]:
-    """Check one epoch's shards; return (padding repeats, dropped samples)."""
-    w = len(shards)
-    per_rank = expected_per_rank(n, w, drop_last)
-    counts = [len(s) for s in shards]
-    check(
-        all(c == per_rank for c in counts),
-        "equal shard sizes",
-        f"expected {per_rank} samples on every rank "
-        f"({'floor' if drop_last else 'ceil'}({n}/{w})), got {counts}",
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    seen = [x for s in shards for x in s]
-    check(all(0 <= x < n for x in seen), "valid indices", f"index outside 0..{n - 1}")
-    if drop_last:
-        check(
-            len(set(seen)) == len(seen),
-            "disjoint shards",
-            f"{len(seen) - len(set(seen))} samples went to more than one rank",
-        )
-        dropped = sorted(set(range(n)) - set(seen))
-        expected = n % w if n >= w else n
-        check(
-            len(dropped) == expected,
-            "dropped samples",
-            f"expected {expected} ({n} mod {w}) unseen samples, got {len(dropped)}",
-        )
-        return 0, dropped
-    check(
-        set(seen) == set(range(n)),
-        "shards cover the dataset",
-        f"missing {sorted(set(range(n)) - set(seen))[:10]}",
+    parser.add_argument(
+        "--dataset-size", type=number(int, 1), default=10, help="samples (default: %(default)s)"
     )
-    repeats = len(seen) - n
-    check(
-        repeats == w * per_rank - n,
-        "padding",
-        f"expected {w * per_rank - n} repeated samples, got {repeats}",
+    parser.add_argument(
+        "--epochs", type=number(int, 1), default=2, help="epochs to sample (default: %(default)s)"
     )
-    order = interleave(shards)
-    check(
-        sorted(order[:n]) == list(range(n)),
-        "one shared order",
-        "the first N positions of the interleaved shards are not a permutation: "
-        "ranks disagree on the order",
+    parser.add_argument(
+        "--no-shuffle",
+        dest="shuffle",
+        action="store_false",
+        help="index order 0..N-1 every epoch, not a new random order",
     )
-    check(
-        order[n:] == (order[:n] * math.ceil(max(repeats, 1) / n))[:repeats],
-        "padding",
-        "the padding is not a repeat of the head of the order",
+    parser.add_argument(
+        "--seed", type=number(int, 0), default=0, help="the sampler's seed (default: %(default)s)"
     )
-    return repeats, []
-
-
-def interleave(shards: list[list[int]]) -> list[int]:
-    """The epoch's padded order as the sampler built it: position r + j*W is rank r's j-th."""
-    return [shards[r][j] for j in range(len(shards[0])) for r in range(len(shards))]
-
-
-def verify_order(orders: list[list[int]], n: int, args: argparse.Namespace) -> str:
-    """With set_epoch the order is randperm seeded with seed + epoch; without, it repeats."""
-    if not args.shuffle:
-        check(
-            all(o == list(range(len(o))) for o in orders),
-            "unshuffled order",
-            "without --shuffle the order should be 0..N-1",
-        )
-        return "unshuffled: every epoch in index order 0..N-1"
-    for epoch, order in enumerate(orders):
-        used = epoch if not args.forget_set_epoch else 0
-        expected = torch.randperm(n, generator=torch.Generator().manual_seed(args.seed + used))
-        check(
-            order == expected.tolist()[: len(order)],
-            "order follows seed + epoch",
-            f"epoch {epoch}: the order is not randperm({n}) seeded with {args.seed + used}",
-        )
-    distinct = len({tuple(o) for o in orders})
-    if args.forget_set_epoch:
-        return (
-            f"BUG SHOWN: set_epoch was never called, so all {len(orders)} epochs used "
-            f"the same order (the sampler still thinks it is epoch 0): every epoch sees "
-            f"the same samples in the same batches. Call sampler.set_epoch(epoch)."
-        )
-    return (
-        f"set_epoch: {distinct} distinct orders in {len(orders)} epochs, each "
-        f"randperm({n}) seeded with {args.seed} + epoch"
+    parser.add_argument(
+        "--drop-last", action="store_true", help="cut the tail instead of padding with the head"
     )
-
-
-def verify_draws(per_rank_epochs: list[list[dict]]) -> str:
-    """Every (rank, worker, epoch) stream of augmentation draws must be its own."""
-    firsts = {}
-    for rank, epochs in enumerate(per_rank_epochs):
-        for epoch, e in enumerate(epochs):
-            for worker, draws in e["streams"].items():
-                firsts[(rank, int(worker), epoch)] = tuple(draws[:2])
-    repeated = len(firsts) - len(set(firsts.values()))
-    check(
-        repeated == 0,
-        "distinct augmentation streams",
-        f"{repeated} (rank, worker, epoch) streams repeat another's random draws",
+    parser.add_argument(
+        "--workers",
+        type=number(int, 0),
+        default=0,
+        help="DataLoader workers per rank (default: %(default)s)",
     )
-    return f"{len(firsts)} (rank, worker, epoch) augmentation streams, all distinct"
-
-
-def build_parser() -> argparse.ArgumentParser:
-    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
-
-    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
-        if how.get("default") is not None:
-            what += " (default: %(default)s)"
-        group.add_argument(name, help=what, **how)
-
-    add(parser, "--dataset-size", "samples; item i is i", type=number(int, 1), default=10)
-    add(parser, "--batch-size", "samples per batch on each rank", type=number(int, 1), default=2)
-    add(parser, "--epochs", "epochs to sample", type=number(int, 1), default=2)
-    what = "a new random order each epoch (set_epoch), or index order"
-    add(parser, "--shuffle", what, action=argparse.BooleanOptionalAction, default=True)
-    add(parser, "--seed", "the sampler's seed, on every rank", type=number(int, 0), default=0)
-    what = "cut the tail to a multiple of the world size instead of padding"
-    add(parser, "--drop-last", what, action="store_true")
-    add(parser, "--workers", "DataLoader workers per rank", type=number(int, 0), default=0)
-    add(parser, "--forget-set-epoch", "skip set_epoch: the classic bug, shown", action="store_true")
-    what = "rank 0 writes every rank's indices per epoch as JSON"
-    add(parser, "--dump-indices", what, type=output_file, metavar="PATH")
+    parser.add_argument(
+        "--forget-set-epoch", action="store_true", help="skip set_epoch: the classic bug"
+    )
     add_launch_args(parser)
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     return build_parser().parse_args(argv)
 
 

@@ -1,28 +1,47 @@
-"""02_sampler.py: every rank's indices against the documented DistributedSampler algorithm."""
+"""02_sampler.py: every rank's indices against the documented DistributedSampler algorithm.
+
+The script checks, on every rank, that what each rank's DataLoader yielded equals its
+documented_shards() and that no two augmentation draws repeat, and says `verified:` when
+both hold. These tests prove the three links: documented_shards() is what torch's
+DistributedSampler does (in-process, over many shapes); each check fails when what it checks
+is broken (an edited copy of the script); and real launches end in `verified:`."""
 
 from __future__ import annotations
 
-import json
+import argparse
 import math
+import re
 
 import pytest
-import torch
+from torch.utils.data.distributed import DistributedSampler
 
-from launch import forked, load_script, run
+from launch import REPO, forked, load_script, run
 
 SCRIPT = "02_sampler.py"
 
 
-def documented_shards(n, w, shuffle, seed, epoch, drop_last) -> list[list[int]]:
-    """DistributedSampler as its docs describe it, written out independently."""
-    if shuffle:
-        order = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-    else:
-        order = list(range(n))
-    per_rank = n // w if drop_last else math.ceil(n / w)
-    total = per_rank * w
-    order = order[:total] if drop_last else (order * math.ceil(total / n))[:total]
-    return [order[r::w] for r in range(w)]
+def torch_shards(n, w, shuffle, drop_last, epoch, seed=7) -> list[list[int]]:
+    """What torch's own DistributedSampler gives each of w ranks in that epoch."""
+    shards = []
+    for rank in range(w):
+        sampler = DistributedSampler(
+            range(n), num_replicas=w, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+        )
+        sampler.set_epoch(epoch)
+        shards.append(list(sampler))
+    return shards
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_the_documented_algorithm_is_what_torch_does(shuffle, drop_last):
+    documented_shards = load_script(SCRIPT).documented_shards
+    for n in range(1, 14):
+        for w in range(1, 6):
+            args = argparse.Namespace(dataset_size=n, shuffle=shuffle, seed=7, drop_last=drop_last)
+            for epoch in range(3):
+                expected = torch_shards(n, w, shuffle, drop_last, epoch)
+                assert documented_shards(args, w, epoch) == expected, (n, w, epoch)
 
 
 CASES = [  # launcher, world size, dataset size, shuffle, drop_last, workers, epochs
@@ -37,81 +56,80 @@ CASES = [  # launcher, world size, dataset size, shuffle, drop_last, workers, ep
 ]
 # "forked": fresh processes forked from a server that has imported torch (launch.forked);
 # the launchers themselves are proven by the torchrun and spawn cases.
-dumps = {}
-
-
-def case_args(n, shuffle, drop_last, workers, epochs, path) -> list:
-    return [
-        "--dataset-size",
-        n,
-        "--epochs",
-        epochs,
-        "--workers",
-        workers,
-        "--batch-size",
-        4,
-        "--seed",
-        7,
-        "--dump-indices",
-        path,
-        "--timeout",
-        60,
-        "--shuffle" if shuffle else "--no-shuffle",
-    ] + (["--drop-last"] if drop_last else [])
+checksums = {}
 
 
 @pytest.mark.parametrize("launcher, w, n, shuffle, drop_last, workers, epochs", CASES)
-def test_each_rank_gets_the_documented_shard(
-    launcher, w, n, shuffle, drop_last, workers, epochs, tmp_path
-):
-    path = tmp_path / "dump.json"
-    args = case_args(n, shuffle, drop_last, workers, epochs, path)
-    stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
-    dump = json.loads(path.read_text())
-    assert dump["world_size"] == w and dump["dataset_size"] == n
-    for epoch in range(epochs):
-        expected = documented_shards(n, w, shuffle, 7, epoch, drop_last)
-        got = [dump["epochs"][str(epoch)][str(rank)] for rank in range(w)]
-        assert got == expected, f"epoch {epoch}"
-    per_rank = n // w if drop_last else math.ceil(n / w)
-    last = stdout.strip().splitlines()[-1]
-    assert last.startswith(f"verified: {w} rank(s) x {per_rank} samples per epoch; ")
+def test_each_rank_gets_the_documented_shard(launcher, w, n, shuffle, drop_last, workers, epochs):
+    args = ["--dataset-size", n, "--epochs", epochs, "--workers", workers, "--seed", 7]
+    args += ["--timeout", 60]
+    if not shuffle:
+        args.append("--no-shuffle")
     if drop_last:
-        dropped = n % w if n >= w else n
-        assert f"shards disjoint, {dropped} dropped per epoch" in last
-    else:
-        assert f"shards cover all {n}, {per_rank * w - n} padding repeat(s)" in last
-    if workers and not drop_last:
-        dumps[(w, n, epochs)] = dumps.get((w, n, epochs), []) + [dump["draws"]]
+        args.append("--drop-last")
+    stdout = run(SCRIPT, *args, launcher=launcher, nproc=w).ok().stdout
+    per_rank = n // w if drop_last else math.ceil(n / w)
+    orders = {str(torch_shards(n, w, shuffle, drop_last, epoch)) for epoch in range(epochs)}
+    shards, draws = stdout.strip().splitlines()[-2:]
+    assert shards == (
+        f"verified: {w} rank(s) x {per_rank} samples per epoch, as documented; "
+        f"{len(orders)} distinct order(s) in {epochs} epoch(s)"
+    )
+    found = re.fullmatch(
+        r"verified: (\d+) augmentation draws, all distinct \(checksum (\w+)\)", draws
+    )
+    assert found and int(found[1]) == w * per_rank * epochs, draws
+    if launcher in ("torchrun", "spawn"):
+        checksums[launcher] = found[2]
 
 
 def test_augmentation_draws_are_reproducible_across_launchers():
-    draws = dumps.get((2, 10, 3))
-    if not draws or len(draws) < 2:
+    if len(checksums) < 2:
         pytest.skip("needs the torchrun and spawn runs of the same job above")
-    assert draws[0] == draws[1]  # same --seed: the same draws, whoever launched the job
-    streams = [tuple(s) for rank in draws[0].values() for epoch in rank for s in epoch.values()]
-    assert len(streams) == 2 * 2 * 3 and len(set(streams)) == len(streams)
+    assert checksums["torchrun"] == checksums["spawn"]  # same --seed, same draws
+
+
+# Each check fails when what it checks breaks: an edited copy of the script, run on 2 ranks.
+BROKEN = [
+    # the classic seeding bug: one seed on every rank, so worker k of each makes the same draws
+    (
+        "torch.manual_seed(args.seed + dist.get_rank())",
+        "torch.manual_seed(args.seed)",
+        "CHECK FAILED: distinct augmentations: 10 draws repeat another's",
+    ),
+    # the sampler is told epoch 0 every epoch while the script believes set_epoch(epoch)
+    (
+        "sampler.set_epoch(epoch)  #",
+        "sampler.set_epoch(0)  #",
+        "CHECK FAILED: documented shards: epoch 1: ranks [0, 1] got other samples",
+    ),
+]
+
+
+@pytest.mark.parametrize("anchor, edit, message", BROKEN, ids=["seed", "set_epoch"])
+def test_each_check_fails_when_its_property_breaks(anchor, edit, message, tmp_path):
+    source = (REPO / SCRIPT).read_text()
+    assert source.count(anchor) == 1
+    script = tmp_path / "broken_sampler.py"
+    script.write_text(source.replace(anchor, edit))
+    r = forked(script, "--workers", 2, "--timeout", 60, nproc=2)
+    assert r.returncode == 1, r
+    assert f"[rank 0] {message}\n" in r.stderr and f"[rank 1] {message}\n" in r.stderr, r
 
 
 def test_table_marks_padding_and_drops():
-    padded, dropped = (
-        forked(SCRIPT, "--dataset-size", 5, "--no-shuffle", "--epochs", 1, *extra, nproc=3)
-        .ok()
-        .stdout
-        for extra in ([], ["--drop-last"])
-    )
+    common = ["--dataset-size", 5, "--no-shuffle", "--epochs", 1]
+    padded = forked(SCRIPT, *common, nproc=3).ok().stdout
+    dropped = forked(SCRIPT, *common, "--drop-last", nproc=3).ok().stdout
     # 5 samples, 3 ranks, no shuffle
     assert "  rank 0: 0 3\n  rank 1: 1 4\n  rank 2: 2 0*\n" in padded
     assert "  rank 0: 0\n  rank 1: 1\n  rank 2: 2\n  dropped: 3 4\n" in dropped
 
 
-def test_forgetting_set_epoch_repeats_the_order_and_says_so(tmp_path):
-    path = tmp_path / "dump.json"
-    r = forked(SCRIPT, "--forget-set-epoch", "--epochs", 3, "--dump-indices", path, nproc=2).ok()
-    assert "BUG SHOWN: set_epoch was never called, so all 3 epochs used the same order" in r.stdout
-    epochs = json.loads(path.read_text())["epochs"]
-    assert epochs["0"] == epochs["1"] == epochs["2"]
+def test_forgetting_set_epoch_repeats_the_order_and_says_so():
+    r = forked(SCRIPT, "--forget-set-epoch", "--epochs", 3, nproc=2).ok()
+    assert "BUG SHOWN: set_epoch never called, so every epoch repeated epoch 0's order" in r.stdout
+    assert "1 distinct order(s) in 3 epoch(s)" in r.stdout
 
 
 @pytest.mark.parametrize(
