@@ -192,8 +192,8 @@ def test_06_uneven_inputs_on_nccl(mode):
 
 @two_gpus
 def test_06_a_nonfinite_loss_is_skipped_by_every_rank_on_nccl():
-    # the most delicate interleaving: the guard's Gloo side group beside NCCL's all-reduces,
-    # rank 1 joined (out of batches) while the others still step
+    # a NaN on rank 0 while rank 1 has joined (out of batches): the NaN travels through
+    # NCCL's all-reduce to every active rank, and all skip the step
     r = gpu_run(
         "06_join_uneven.py",
         *("--mode", "join", "--batches-per-rank", "5,2", "--nonfinite-at", "0:3"),
