@@ -1,15 +1,5 @@
 r"""05_eval_gather.py: distributed evaluation whose metrics equal a one-process evaluation.
 
-Each rank evaluates its own part of the validation set; three collectives assemble the
-results, each used for what it fits:
-  1. all_reduce of sums (correct, count, loss, per-class counts): scalar metrics;
-  2. all_gather of per-sample tensors (index, prediction, label), padded to the largest
-     rank's size and trimmed after: the full prediction list, ordered by dataset index;
-  3. all_gather_object of plain Python objects: anything picklable, at a price.
-Every sample is evaluated exactly once: rank r takes samples r, r+W, r+2W, ... with no
-padding. DistributedSampler would pad the set so all ranks hold the same count, and count
-those repeats twice; the script prints that naive figure beside the exact one.
-
 Run
   torchrun --standalone --nproc_per_node 2 05_eval_gather.py --verify
   python 05_eval_gather.py --spawn 3 --val-size 103 --metrics-json metrics.json
@@ -19,10 +9,18 @@ Run
   torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 05_eval_gather.py
 
+Each rank evaluates its own part of the validation set; three collectives assemble the
+results, each used for what it fits:
+  1. all_reduce of sums (correct, count, loss): scalar metrics; per-class counts would be
+     a longer vector of sums, reduced the same way;
+  2. all_gather of per-sample tensors (index, prediction, label), padded to the largest
+     rank's size with rows of index -1, dropped after: every prediction, in dataset order;
+  3. all_gather_object of plain Python objects: anything picklable, at a price.
+Every sample is evaluated exactly once: rank r takes samples r, r+W, r+2W, ... with no
+padding. DistributedSampler would pad the set so all ranks hold the same count, and count
+those repeats twice; the script prints that naive figure beside the exact one.
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
-
-from __future__ import annotations
 
 import argparse
 import atexit
@@ -33,7 +31,6 @@ import io
 import json
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -49,107 +46,95 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
-from torch.utils.data import DataLoader, Dataset, Subset
+from torch.utils.data import DataLoader, Subset, TensorDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args):
     d = setup(args.timeout)
-    if args.verify:  # on GPUs: IEEE float32 and deterministic cuDNN for both evaluations
-        # (TF32 convolutions, cuDNN's default on Ampere and later, round to 10 mantissa bits)
-        torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = True, False
-    dataset = build_dataset(args)
-    if len(dataset) == 0:
-        raise SetupError("the validation set is empty")
-    num_classes = len(dataset.classes)
+    if args.verify:
+        # On GPUs, IEEE float32 for both evaluations: TF32 convolutions (cuDNN's default on
+        # Ampere and later) round to 10 mantissa bits, and could flip a prediction near a
+        # tie in one evaluation and not in the other.
+        torch.backends.cudnn.allow_tf32 = False
+    dataset, num_classes = build_dataset(args)
     # The raw module, no DDP wrapper: there are no gradients to sync, and DDP's forward could
     # broadcast buffers, a collective that ranks with different batch counts would not match.
-    model = build_model(args, num_classes, d)
+    model = build_model(args, num_classes, d.device)
 
-    started = clock(d)
-    mine = range(d.rank, len(dataset), d.world_size)  # each sample exactly once, no padding
-    sums, rows = evaluate_shard(model, dataset, mine, args, d, num_classes)
-    seconds = clock(d) - started
+    n = len(dataset)
+    started = clock(d.device)
+    mine = torch.arange(d.rank, n, d.world_size)  # each sample exactly once, no padding
+    sums, rows = evaluate(model, dataset, mine, args, d.device)
+    seconds = clock(d.device) - started
     # 1. all_reduce: sums of counts are all a scalar metric needs.
-    dist.all_reduce(sums, op=dist.ReduceOp.SUM)
-    metrics = metrics_from_sums(sums, num_classes)
+    dist.all_reduce(sums)  # op=SUM, the default
+    metrics = metrics_from_sums(sums)
     if not math.isfinite(metrics["loss"]):  # all-reduced: every rank stops here together
-        weights = args.checkpoint or "the seeded model"
-        raise SetupError(f"the loss is not finite: the model's weights hold NaN or inf ({weights})")
+        raise SetupError(f"--checkpoint {args.checkpoint}: its weights hold NaN or inf")
     # 2. all_gather of tensors: every prediction, back in dataset order.
-    table = gather_predictions(rows, d)
+    table = gather_rows(rows, d)
     # 3. all_gather_object: any picklable object, here a per-rank report. It pickles,
     # copies through the CPU and unpickles: fine for small things, slow for big tensors,
     # and unpickling runs code, so use it only between processes you trust (your own job).
-    report = dict(rank=d.rank, host=socket.gethostname(), samples=len(mine), seconds=seconds)
+    report = {"host": socket.gethostname(), "samples": len(mine), "seconds": seconds}
     reports = [None] * d.world_size
     dist.all_gather_object(reports, report)
 
     # ---- checks: every rank checks the combined results, so all stop together if one fails
-    n = len(dataset)
-    counted = f"counted {metrics['num_samples']} samples, the set has {n}"
-    check(metrics["num_samples"] == n, "each sample once", counted)
-    indices = "the gathered predictions are not exactly the indices 0..N-1"
-    check(table[:, 0].tolist() == list(range(n)), "every index gathered", indices)
-    correct = int((table[:, 1] == table[:, 2]).sum())  # prediction == label, from the gather
-    disagree = "correct counts from all_gather and all_reduce disagree"
-    check(correct == metrics["correct"], "gather = reduce", disagree)
-    check(sum(r["samples"] for r in reports) == n, "reports", "per-rank sample counts")
+    counted = metrics["num_samples"]
+    check(counted == n, "each sample once", f"counted {counted} samples of {n}")
+    indices = table[:, 0].tolist()
+    check(indices == list(range(n)), "every index gathered", "the indices are not 0..N-1")
+    hits = table[:, 1] == table[:, 2]  # prediction == label, from the gather
+    check(hits.sum() == metrics["correct"], "gather = reduce", "the correct counts differ")
+    if args.verify:
+        verify_against_one_process(model, dataset, args, d, metrics)
     if d.rank == 0:
-        per_rank = ", ".join(
-            f"rank {r['rank']}: {r['samples']} in {r['seconds']:.3f}s" for r in reports
-        )
-        say(f"evaluated {n} samples on {d.world_size} rank(s) ({per_rank})")
-        say(
-            f"exact:  accuracy {metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%  "
-            f"loss {metrics['loss']:.6f}"
-        )
-        naive_correct, naive_n = naive_padded_metrics(table, n, d.world_size)
-        if naive_n != n:
+        say(f"evaluated {n} samples on {d.world_size} rank(s)")
+        for rank, r in enumerate(reports):
+            say(f"  rank {rank} on {r['host']}: {r['samples']} samples in {r['seconds']:.3f}s")
+        accuracy = f"{metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%"
+        say(f"exact:  accuracy {accuracy}  loss {metrics['loss']:.6f}")
+        padded = math.ceil(n / d.world_size) * d.world_size
+        if padded > n:  # DistributedSampler repeats the first indices: they count twice
+            naive = int(hits[torch.arange(padded) % n].sum())
+            accuracy = f"{naive}/{padded} = {100 * naive / padded:.2f}%"
+            say(f"naive:  accuracy {accuracy}  (DistributedSampler pads {padded - n} repeat(s))")
+        say(f"verified: {n} samples counted once, all_gather agrees with all_reduce")
+        if args.verify:
             say(
-                f"naive:  accuracy {naive_correct}/{naive_n} = "
-                f"{100 * naive_correct / naive_n:.2f}%  (DistributedSampler pads {naive_n - n}"
-                f" repeat(s) so every rank holds {naive_n // d.world_size}; they count twice)"
+                "verified: identical to a one-process evaluation "
+                "(counts exact, loss to 1e-6 relative)"
             )
     if args.metrics_json:
-        text = json.dumps(metrics, indent=1) + "\n"
-        rank0_writes(args.metrics_json, lambda f: f.write(text.encode()), d)
+        data = (json.dumps(metrics, indent=1) + "\n").encode()
+        rank0_writes(args.metrics_json, lambda f: f.write(data), d)
     if args.predictions:
 
-        def write_csv(f) -> None:  # called on rank 0 alone: the others do not format the table
+        def write_csv(f):  # called on rank 0 alone: the others do not format the table
             f.write(b"index,label,prediction\n")
-            f.write("".join(f"{i},{y},{p}\n" for i, p, y in table.tolist()).encode())
+            for i, p, y in table.tolist():
+                f.write(f"{i},{y},{p}\n".encode())
 
         rank0_writes(args.predictions, write_csv, d)
-    verified = f"{n} samples counted once, all_gather agrees with all_reduce"
-    if args.verify:
-        verified += "; " + verify_against_one_process(model, dataset, args, d, metrics)
-    if d.rank == 0:
-        say(f"verified: {verified}")
 
 
-def build_dataset(args: argparse.Namespace):
-    if not args.data:
-        return SyntheticImages(
-            args.val_size, args.num_classes, args.image_size, args.seed, train=False
-        )  # 03's validation images
-    root = args.data / "val"  # one sub-folder per class
-    # 03's validation transform: resize, centre crop, ImageNet's normalisation
+def build_dataset(args):
+    """03's validation set and its number of classes."""
+    if not args.data:  # the same --val-size, --image-size and --seed give the same images
+        return synthetic_images(args.val_size, args.image_size, args.seed, split=1), 10
     T = torchvision.transforms
-    norm = T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])
-    resize = round(args.image_size * 256 / 224)
-    transform = T.Compose([T.Resize(resize), T.CenterCrop(args.image_size), T.ToTensor(), norm])
-    dataset = image_folder(root, transform)
-    train = sorted(p.name for p in (root.parent / "train").glob("*") if p.is_dir())
-    if train and train != dataset.classes:  # labels are class indices: the lists must agree
-        raise SetupError(
-            f"--data {args.data}: the val folder's classes {dataset.classes} "
-            f"differ from train's {train}, so its labels do not match a model's"
-        )
-    return dataset
+    # 03's validation transform: a centre crop, ImageNet's mean and std
+    normalize = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
+    resize = T.Resize(round(args.image_size * 256 / 224))
+    val_set = image_folder(
+        args.data / "val",
+        T.Compose([resize, T.CenterCrop(args.image_size), T.ToTensor(), normalize]),
+    )
+    return val_set, len(val_set.classes)
 
 
 def image_folder(root, transform):
@@ -178,234 +163,205 @@ def load_image(path):
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
-class SyntheticImages(Dataset):
+def synthetic_images(count, size, seed, split):
     """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
-    plus noise. Nothing random at load time, so N processes see exactly what one would."""
-
-    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, train: bool):
-        patterns = torch.randn(num_classes, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
-        patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
-        g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
-        self.labels = torch.randint(num_classes, (size,), generator=g)
-        noise = torch.randn(size, 3, image_size, image_size, generator=g)
-        self.images = patterns[self.labels] + 1.5 * noise
-        self.classes = list(range(num_classes))
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        return self.images[index], int(self.labels[index])
+    plus noise; split 0 (train) and 1 (val) draw different images of the same classes."""
+    patterns = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
+    patterns = F.interpolate(patterns, size=size, mode="bilinear")
+    g = torch.Generator().manual_seed(seed + 1 + split)
+    labels = torch.randint(10, (count,), generator=g)
+    noise = torch.randn(count, 3, size, size, generator=g)
+    return TensorDataset(patterns[labels] + 1.5 * noise, labels)
 
 
-def build_model(args: argparse.Namespace, num_classes: int, d: Dist) -> nn.Module:
-    kwargs = {"num_classes": num_classes}
-    if args.norm == "group":
+def build_model(args, num_classes, device):
+    kwargs = {}
+    if args.norm == "group":  # as 03 --norm group builds it
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
     torch.manual_seed(args.seed)  # without --checkpoint: a fixed, seeded model
-    model = torchvision.models.get_model(args.arch, **kwargs)
+    model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.checkpoint:
-        path = args.checkpoint
-        if not path.is_file():
-            raise SetupError(f"--checkpoint {path}: no such file")
-        try:
-            # Onto the CPU: load_state_dict then copies each tensor to the parameter's device.
-            # weights_only refuses pickled code: a checkpoint is data, not a program.
-            state = torch.load(path, map_location="cpu", weights_only=True)
-        except Exception as e:  # noqa: BLE001 - whatever torch.load raises, name the file
-            why = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-            raise SetupError(f"--checkpoint {path}: torch.load cannot read it ({why})") from e
-        if isinstance(state, dict) and {"model", "optimizer", "step"} <= state.keys():
-            state = state["model"]  # a 04_checkpoint.py checkpoint: the model in the state
-        tensors = isinstance(state, dict) and all(torch.is_tensor(v) for v in state.values())
-        if not (tensors and state):
-            why = "not a model's state_dict (03 --save-model) or a 04 checkpoint"
-            raise SetupError(f"--checkpoint {path}: {why}")
-        state = {k.removeprefix("module."): v for k, v in state.items()}
-        try:
-            model.load_state_dict(state)
-        except RuntimeError as e:
-            misfit = f"does not fit --arch {args.arch} with {num_classes} classes"
-            raise SetupError(
-                f"--checkpoint {path} {misfit}: {describe_mismatch(model, state)}"
-            ) from e
-    return model.to(d.device).eval()
+        model.load_state_dict(read_weights(args.checkpoint, model, args.arch))
+    return model.to(device).eval()
 
 
-def describe_mismatch(model: nn.Module, state: dict) -> str:
-    own = model.state_dict()
-    shapes = [
-        f"{k} is {tuple(state[k].shape)} in the file, {tuple(v.shape)} in the model"
-        for k, v in own.items()
-        if k in state and state[k].shape != v.shape
-    ]
-    missing = [k for k in own if k not in state]
-    extra = [k for k in state if k not in own]
-    parts = shapes[:2]
-    if missing:
-        parts.append(f"{len(missing)} missing keys (e.g. {missing[0]})")
-    if extra:
-        parts.append(f"{len(extra)} unexpected keys (e.g. {extra[0]})")
-    return "; ".join(parts)
+def read_weights(path, model, arch):
+    """The state_dict in path (03 --save-model's, or the model in a 04 checkpoint), checked
+    to fit model, or a SetupError naming the first tensor that does not."""
+    try:
+        # Onto the CPU: load_state_dict then copies each tensor to the parameter's device.
+        # weights_only refuses pickled code: a checkpoint is data, not a program.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - no such file, not a checkpoint, pickled code
+        first = str(e).partition("\n")[0]  # torch's own message can run to paragraphs
+        raise SetupError(f"--checkpoint {path}: torch.load cannot read it ({first})") from e
+    if not isinstance(state, dict):
+        raise SetupError(f"--checkpoint {path}: not a state_dict (03 --save-model) or 04's")
+    state = state.get("model", state)  # 04's: the model in the training state
+    # A DDP wrapper's own state_dict has "module." before every key
+    state = {k.removeprefix("module."): v for k, v in state.items()}
+    ours = {k: v.shape for k, v in model.state_dict().items()}
+    theirs = {k: getattr(v, "shape", "not a tensor") for k, v in state.items()}
+    for k in ours | theirs:
+        if ours.get(k) != theirs.get(k):  # None: no such key
+            why = f"{k} is {theirs.get(k)} in the file, {ours.get(k)} in the model"
+            raise SetupError(f"--checkpoint {path} does not fit --arch {arch}: {why}")
+    return state
 
 
-def clock(d: Dist) -> float:
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)  # GPU work is queued: time what has finished
+def clock(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)  # GPU work is queued: time what has finished
     return time.perf_counter()
 
 
 @torch.inference_mode()
-def evaluate_shard(model: nn.Module, dataset, indices, args, d: Dist, num_classes: int):
-    """Evaluate the given dataset indices; return sums and per-sample results."""
+def evaluate(model, dataset, indices, args, device):
+    """Evaluate dataset[i] for i in indices (a tensor). Returns the sums (correct, count,
+    loss) and one row (index, prediction, label) per sample, in the order of indices."""
     loader = DataLoader(
-        Subset(Indexed(dataset), indices),
+        Subset(dataset, indices.tolist()),
         batch_size=args.batch_size,
         num_workers=args.workers,
-        pin_memory=d.device.type == "cuda",
+        pin_memory=device.type == "cuda",
     )
-    # sums: correct, count, loss sum, then per-class correct and per-class total
-    sums = torch.zeros(3 + 2 * num_classes, dtype=torch.float64, device=d.device)
-    rows = []
-    for index, images, labels in loader:
-        images = images.to(d.device, non_blocking=True)
-        labels = labels.to(d.device, non_blocking=True)
+    sums = torch.zeros(3, dtype=torch.float64, device=device)
+    results = [torch.zeros(0, 2, dtype=torch.long, device=device)]  # a shard may be empty
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
         logits = model(images)
         predictions = logits.argmax(1)
-        hit = (predictions == labels).double()
-        sums[0] += hit.sum()
+        sums[0] += (predictions == labels).sum()
         sums[1] += len(labels)
         sums[2] += F.cross_entropy(logits.double(), labels, reduction="sum")
-        sums[3 : 3 + num_classes].index_add_(0, labels, hit)
-        sums[3 + num_classes :].index_add_(0, labels, torch.ones_like(hit))
-        rows.append(torch.stack([index.to(d.device, non_blocking=True), predictions, labels], 1))
-    rows = torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.int64, device=d.device)
-    return sums, rows
+        results.append(torch.stack([predictions, labels], 1))
+    rows = torch.cat(results)
+    return sums, torch.column_stack([indices.to(device), rows])
 
 
-class Indexed(Dataset):
-    """Yields (dataset index, image, label), so predictions can be put back in order."""
-
-    def __init__(self, base):
-        self.base = base
-
-    def __len__(self) -> int:
-        return len(self.base)
-
-    def __getitem__(self, index: int):
-        image, label = self.base[index]
-        return index, image, label
-
-
-def metrics_from_sums(sums: torch.Tensor, num_classes: int) -> dict:
-    s = sums.tolist()
-    n = int(s[1])
+def metrics_from_sums(sums):
+    correct, count, loss = sums.tolist()
     return {
-        "num_samples": n,
-        "correct": int(s[0]),
-        "accuracy": s[0] / n if n else 0.0,
-        "loss": s[2] / n if n else 0.0,
-        "per_class_correct": [int(x) for x in s[3 : 3 + num_classes]],
-        "per_class_total": [int(x) for x in s[3 + num_classes :]],
+        "num_samples": int(count),
+        "correct": int(correct),
+        "accuracy": correct / count,
+        "loss": loss / count,
     }
 
 
-def gather_predictions(rows: torch.Tensor, d: Dist) -> torch.Tensor:
-    """all_gather needs equal shapes: gather sizes, pad to the largest, gather, trim."""
-    size = torch.tensor([len(rows)], device=d.device)
-    sizes = [torch.zeros_like(size) for _ in range(d.world_size)]
-    dist.all_gather(sizes, size)
-    largest = max(int(s) for s in sizes)
-    padded = torch.full((largest, 3), -1, dtype=rows.dtype, device=d.device)
+def gather_rows(rows, d):
+    """Every rank's rows on every rank, ordered by dataset index, on the CPU."""
+    # all_gather needs one shape on every rank: pad to the largest with rows of index -1
+    largest = torch.tensor(len(rows), device=d.device)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    padded = rows.new_full((int(largest), 3), -1)
     padded[: len(rows)] = rows
     gathered = [torch.empty_like(padded) for _ in range(d.world_size)]
     dist.all_gather(gathered, padded)
-    table = torch.cat([g[: int(s)] for g, s in zip(gathered, sizes)])
-    return table[table[:, 0].argsort()]  # ordered by dataset index
+    table = torch.cat(gathered).cpu()
+    table = table[table[:, 0] >= 0]  # without the padding
+    return table[table[:, 0].argsort()]
 
 
-# ---- checks -------------------------------------------------------------------------------
-
-
-def naive_padded_metrics(table: torch.Tensor, n: int, world_size: int) -> tuple[int, int]:
-    """What a DistributedSampler(drop_last=False) evaluation would have counted."""
-    per_rank = math.ceil(n / world_size)
-    padded = list(range(n)) + list(range(n)) * math.ceil(per_rank * world_size / n)
-    used = padded[: per_rank * world_size]  # every index the padded ranks would evaluate
-    hits = (table[:, 1] == table[:, 2]).long()
-    return int(hits[used].sum()), len(used)
-
-
-def verify_against_one_process(model, dataset, args, d: Dist, metrics: dict) -> str:
+def verify_against_one_process(model, dataset, args, d, metrics):
     """Every rank evaluates the whole set alone and compares."""
     # Counts must match exactly; the loss closely, not bit for bit: one process runs other
     # batch shapes than the shards did, and kernels may order a sum differently per shape
-    # (on CPUs and, even with TF32 off and deterministic cuDNN, on GPUs).
+    # (on CPUs and, even with TF32 off, on GPUs).
     # Every rank does it, each on its own device or share of the cores, in the time one
     # would take. Rank 0 alone would keep the others waiting in a collective: past
     # --timeout if its evaluation is long, and for --timeout again if it fails.
-    num_classes = len(dataset.classes)
-    sums, _ = evaluate_shard(model, dataset, range(len(dataset)), args, d, num_classes)
-    alone = metrics_from_sums(sums, num_classes)
-    for key in ("num_samples", "correct", "per_class_correct", "per_class_total"):
-        differ = f"{key}: {metrics[key]} on {d.world_size} ranks, {alone[key]} alone"
-        check(alone[key] == metrics[key], "equal to one process", differ)
+    everything = torch.arange(len(dataset))
+    sums, _ = evaluate(model, dataset, everything, args, d.device)
+    alone = metrics_from_sums(sums)
     close = math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9)
-    differ = f"loss {metrics['loss']:.9f} on {d.world_size} ranks, {alone['loss']:.9f} alone"
-    check(close, "equal to one process", differ)
-    return "identical to a one-process evaluation (counts exact, loss to 1e-6 relative)"
+    same = alone["correct"] == metrics["correct"] and close
+    check(same, "equal to one process", f"{metrics} on {d.world_size} ranks, {alone} alone")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
-
-    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
-        if how.get("default") is not None:
-            what += " (default: %(default)s)"
-        group.add_argument(name, help=what, **how)
-
-    what = "weights of --arch, as 03 --save-model writes them (default: a seeded model)"
-    add(parser, "--checkpoint", what, type=Path, metavar="PATH")
-    models = sorted(torchvision.models.list_models(module=torchvision.models))
-    add(parser, "--arch", "any torchvision classifier", default="resnet18", choices=models)
-    what = "group: the GroupNorm variant of 03 --norm group"
-    add(parser, "--norm", what, choices=["batch", "group"], default="batch")
-    add(parser, "--data", "an ImageFolder tree; DIR/val is evaluated", type=Path, metavar="DIR")
-    add(parser, "--val-size", "synthetic validation images", type=number(int, 1), default=1024)
-    add(parser, "--num-classes", "synthetic classes", type=number(int, 2), default=10)
-    add(parser, "--image-size", "image side in pixels", type=number(int, 1), default=32)
-    add(parser, "--batch-size", "images per batch on each rank", type=number(int, 1), default=64)
-    add(parser, "--workers", "DataLoader workers per rank", type=number(int, 0), default=0)
-    add(parser, "--seed", "seeds the synthetic set and the model", type=number(int, 0), default=0)
-    what = "rank 0 also evaluates the whole set alone and compares"
-    add(parser, "--verify", what, action="store_true")
-    what = "rank 0 writes the metrics there as JSON"
-    add(parser, "--metrics-json", what, type=output_file, metavar="PATH")
-    what = "rank 0 writes a CSV there: index,label,prediction"
-    add(parser, "--predictions", what, type=output_file, metavar="PATH")
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--checkpoint",
+        type=Path,
+        metavar="PATH",
+        help="weights of --arch, as 03 --save-model writes them (default: a seeded model)",
+    )
+    parser.add_argument(
+        "--arch",
+        default="resnet18",
+        choices=torchvision.models.list_models(module=torchvision.models),
+        metavar="A",
+        help="any torchvision classifier (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--norm",
+        default="batch",
+        choices=["batch", "group"],
+        help="group: as 03 --norm group (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--data", type=Path, metavar="DIR", help="an ImageFolder tree; DIR/val is evaluated"
+    )
+    parser.add_argument(
+        "--val-size",
+        type=number(int, 1),
+        default=1024,
+        help="synthetic validation images (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=number(int, 1),
+        default=32,
+        help="image side in pixels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=number(int, 1),
+        default=64,
+        help="images per batch on each rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=number(int, 0),
+        default=0,
+        help="DataLoader workers per rank (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--seed",
+        type=number(int, 0),
+        default=0,
+        help="seeds the synthetic images (as 03's) and the model (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--verify", action="store_true", help="every rank also evaluates the whole set alone"
+    )
+    parser.add_argument(
+        "--metrics-json", type=output_file, metavar="PATH", help="rank 0 writes the metrics there"
+    )
+    parser.add_argument(
+        "--predictions",
+        type=output_file,
+        metavar="PATH",
+        help="rank 0 writes a CSV there: index,label,prediction",
+    )
     add_launch_args(parser)
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    outputs = [("--metrics-json", args.metrics_json), ("--predictions", args.predictions)]
-    files = [(name, path) for name, path in outputs if path]
-    for i, (name, path) in enumerate(files):  # no output may be an input, or another output
-        for other, earlier in [("--checkpoint", args.checkpoint), *files[:i]]:
-            if earlier and same_file(path, earlier):
-                parser.error(f"{name} {path} is the file {other} names: it would be overwritten")
+    # An output that is the checkpoint would overwrite it (a 44.8 MB model became a 461-byte
+    # CSV, and the run said "verified"); resolve() sees through ./ and symbolic links.
+    named = [args.checkpoint, args.metrics_json, args.predictions]
+    files = [path.resolve() for path in named if path]
+    if len(set(files)) < len(files):
+        parser.error("--checkpoint, --metrics-json and --predictions: one file named twice")
     return args
-
-
-def same_file(a: Path, b: Path) -> bool:
-    """The same file, whatever the spelling: ./x, a symbolic link to it, a hard link."""
-    if a.exists() and b.exists():
-        return os.path.samefile(a, b)
-    return a.resolve() == b.resolve()
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
