@@ -1,8 +1,5 @@
 r"""01_init_methods.py: how DDP processes find each other (the process group), checked.
 
-Every process joins one process group, reports who it is, and runs four collectives
-whose answers are known in advance; rank 0 prints the table and the checks.
-
 Run
   python 01_init_methods.py                                      # one process, world size 1
   python 01_init_methods.py --spawn 4                            # 4 processes via mp.spawn
@@ -19,12 +16,16 @@ Run
   torchrun --nnodes 2 --nproc_per_node 2 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 01_init_methods.py
 
-Words (each is a column of the table rank 0 prints)
+Every process joins one process group, reports who it is, and runs four collectives
+whose answers are known in advance; rank 0 prints the table and the checks.
+
+Words (most are columns of the table rank 0 prints)
   world size  how many processes take part in the job (2 nodes x 2 processes = 4).
   rank        a process's id in the job, 0 .. world size - 1; rank 0 is the "master".
   local rank  its id on its own node, 0 .. processes per node - 1; it picks the GPU,
               because GPU numbers restart on every machine (global rank would not).
-  node rank   which machine (torchrun's GROUP_RANK); rank = node rank * per node + local.
+  node rank   which machine: rank = node rank * per node + local rank, so node rank =
+              rank // per node (torchrun also sets it, as GROUP_RANK).
   group       a set of ranks that run collectives together; the default group is all
               of them, dist.new_group() makes smaller ones (here: even and odd ranks).
   backend     the library that moves the tensors: NCCL between GPUs, Gloo on CPUs.
@@ -32,23 +33,28 @@ Words (each is a column of the table rank 0 prints)
               where rank 0 listens so that the others can find it: MASTER_ADDR and
               MASTER_PORT for env://, or written into tcp://HOST:PORT.
 
+Three ways to meet (--init-method). env:// reads RANK, WORLD_SIZE, LOCAL_RANK,
+LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from each process's environment: torchrun
+sets them all; --spawn N, or a plain run (a world of one), sets them for processes on this
+machine; a manual launch sets the first four from --rank, --world-size, --local-rank and
+--local-world-size. tcp://HOST:PORT names rank 0's address in the URL instead of
+MASTER_ADDR and MASTER_PORT; file:///PATH meets in a file. Under a launcher (torchrun, or
+a manual launch) --spawn is ignored: the processes are started already.
+
 Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
-
-from __future__ import annotations
 
 import argparse
 import atexit
 import concurrent.futures
 import contextlib
 import datetime
-import io
 import os
 import re
 import signal
 import socket
 import sys
-import tempfile
+import time
 import traceback
 from pathlib import Path
 from typing import NamedTuple
@@ -60,7 +66,7 @@ import torch.multiprocessing as mp
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args):
     d = join(args)  # the process group, with every rank in it
     rows = [None] * d.world_size
     dist.all_gather_object(rows, describe_rank(d))  # any picklable object, one per rank
@@ -74,293 +80,259 @@ def main(args: argparse.Namespace) -> None:
     verify_table(rows, d.world_size)
     summary = verify_collectives(d, args.timeout)
     dist.barrier()  # nobody leaves while another rank may still be checking
-    # torch's FileStore deletes its file when destroyed, but every rank ends with os._exit
-    if args.rendezvous_file and d.rank == 0:  # past the barrier: no rank needs it any more
-        args.rendezvous_file.unlink(missing_ok=True)
     if d.rank == 0:
+        # torch's FileStore deletes its file when destroyed, but every rank ends with os._exit;
+        # past the barrier, no rank needs it any more
+        if args.rendezvous_file:
+            args.rendezvous_file.unlink(missing_ok=True)
         say(
-            f"verified: {d.world_size} rank(s) joined via {args.init_method.split('//')[0]}//; "
-            f"{summary}",
+            f"verified: {d.world_size} rank(s) joined via "
+            f"{args.init_method.split('//')[0]}//; {summary}"
         )
 
 
-def join(args: argparse.Namespace) -> Dist:
+def join(args):
     """Join the process group. env:// (torchrun, --spawn, one process) is the shared setup();
     tcp:// and file:// are done here, where each way of meeting can be seen."""
+    gloo = args.backend == "gloo"
     if args.init_method == "env://":  # MASTER_ADDR:MASTER_PORT: rank 0's TCP store
-        return setup(args.timeout, gloo=args.backend == "gloo")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_rank, local_world = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    device = bind_device(local_rank, local_world, args.backend == "gloo")
-    hint = ""
-    if args.rendezvous_file:
-        hint = check_rendezvous_file(args.rendezvous_file, world)
+        return setup(args.timeout, gloo=gloo)
+    # as setup() reads them: set by torchrun, --spawn, or a manual launch from its options
+    rank, world, local_rank, local_world = (
+        int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    )
+    device = bind_device(local_rank, local_world, gloo)
+    hint = check_rendezvous_file(args.rendezvous_file, world) if args.rendezvous_file else ""
     # tcp://HOST:PORT: rank 0 listens there, the others connect (torch retries, with delays).
     # file://PATH: every rank writes its address into the file and reads the others'.
-    # Neither wait can be interrupted, and neither always ends at the timeout: as in setup(),
-    # a thread joins and this one waits for it, until the deadline or a signal (Ctrl-C).
-    late = f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method})"
+    # As in setup() (which knows env:// only), a thread joins and this one waits for it: the
+    # deadline, or a signal (Ctrl-C), ends the wait even where torch's own would not end.
+    cuda = device.type == "cuda"
+    started = time.monotonic()
     joining = concurrent.futures.ThreadPoolExecutor(1).submit(
         dist.init_process_group,
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if cuda else "gloo",
         init_method=args.init_method,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=args.timeout),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if cuda else None,
     )
     try:
         joining.result(args.timeout + 2)
-    except concurrent.futures.TimeoutError:
-        raise SetupError(f"{late}{hint}") from None
-    except (dist.DistError, RuntimeError, ValueError, OSError) as e:
-        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
-        if re.search(r"(?i)time ?out|timed out", first):  # file://'s is "Wait timeout"
-            raise SetupError(f"{late}: {first}{hint}") from e
+    except Exception as e:  # torch's error, or at our deadline a TimeoutError, with no text
+        why = str(e).partition("\n")[0] or "torch is still waiting"  # (C++ adds a stack trace)
+        # Failing after --timeout, a wait ran out (torch's, or ours): ranks are missing.
+        # Told by the time, not the text: file://'s own says only "Wait timeout".
+        if time.monotonic() - started < args.timeout:
+            raise SetupError(
+                f"cannot join the process group at {args.init_method}: {why}{hint}"
+            ) from e
         raise SetupError(
-            f"cannot join the process group at {args.init_method}: {first}{hint}"
+            f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method}): "
+            f"{why}{hint}"
         ) from e
     return Dist(rank, world, device)
 
 
-def check_rendezvous_file(path: Path, world: int) -> str:
+def check_rendezvous_file(path, world):
     """torch needs a file that is new (or empty) at every init: an earlier job's leftover can
     make Gloo connect to ranks long gone, retrying well past --timeout, or pair up with the
-    wrong ranks. Refuse one that is surely stale; else return a hint for any failure."""
-    if path.exists():
-        opened = processes_that_opened(path)
-        # Surely stale: no other rank in a world of one; or every rank of a job of this size
-        # (or larger) has opened it already, so none of this job's can be among them. Not
-        # its age: a live rank 0's file can look old where clocks differ (NFS clients).
-        if world == 1 or opened >= world:
-            # its age by the file server's clock (a file made now), for the message only
-            with tempfile.NamedTemporaryFile(dir=path.parent) as now:
-                age = os.stat(now.name).st_mtime - path.stat().st_mtime
-            raise SetupError(
-                f"{path} is left by an earlier job (opened by {opened} process(es), last "
-                f"written {age:.0f}s ago): delete it or use a fresh path"
-            )
-    earlier = f"{path} may be left by an earlier job: delete it or use a fresh path"
-    return f"; if every rank is running, {earlier}"
+    wrong ranks. Refuse one that is surely stale: no other rank in a world of one, or every
+    rank of a job this size has opened it already, so none of this job's is among them. Not
+    its age: a live rank 0's file can look old where clocks differ (NFS clients). Else
+    return a hint for any failure to join, if the file was there already."""
+    if not path.exists():
+        return ""  # this rank makes it: a fresh file
+    data = path.read_bytes()
+    # torch's FileStore file is a list of records (a 4-byte length, then the bytes), key then
+    # value; each process that opens it appends the key "refcount/" and the new count.
+    _, key, after = data.rpartition(b"refcount/")  # after the last count's key: its record
+    size = int.from_bytes(after[:4], "little")
+    opened = int(after[4 : 4 + size] or 0) if key else 0
+    if world == 1 or opened >= world:
+        raise SetupError(
+            f"{path} is left by an earlier job (opened by {opened} process(es)): delete it or "
+            f"use a fresh path"
+        )
+    return f"; if every rank is running, {path} may be left by an earlier job"
 
 
-def processes_that_opened(path: Path) -> int:
-    """torch's FileStore file is a list of records (a 4-byte length, then the bytes), key
-    then value; each process that opens it appends "refcount/" with the new count (and one
-    that closes it cleanly, the count less one). The last count; 0 if there is none."""
-    data, at, fields = path.read_bytes(), 0, []
-    while at + 4 <= len(data):
-        size = int.from_bytes(data[at : at + 4], "little")
-        fields.append(data[at + 4 : at + 4 + size])
-        at += 4 + size
-    pairs = zip(fields[0::2], fields[1::2])
-    counts = [int(value) for key, value in pairs if key == b"refcount/" and value.isdigit()]
-    return counts[-1] if counts else 0
-
-
-def describe_rank(d: Dist) -> dict:
-    # which machine: torchrun's GROUP_RANK, else the node size says it (rank = node * size + local)
-    local_rank, per_node = int(os.environ["LOCAL_RANK"]), int(os.environ["LOCAL_WORLD_SIZE"])
-    node_rank = int(os.environ.get("GROUP_RANK", (d.rank - local_rank) // per_node))
+def describe_rank(d):
     return dict(
         rank=d.rank,
-        local_rank=local_rank,
-        node_rank=node_rank,
+        local_rank=int(os.environ["LOCAL_RANK"]),
+        node_rank=d.rank // int(os.environ["LOCAL_WORLD_SIZE"]),  # rank = node * size + local
         world_size=dist.get_world_size(),
         host=socket.gethostname(),
         pid=os.getpid(),
         backend=dist.get_backend(),
-        device=str(d.device),
+        device=d.device,
     )
 
 
-def rank_table(rows: list[dict]) -> str:
+def rank_table(rows):
     lines = [
         f"{'rank':>4} {'local':>5} {'node':>4} {'world':>5}  {'host':<20} {'pid':>7}  "
         f"{'backend':<7} device"
     ]
     for r in rows:
         lines.append(
-            f"{r['rank']:>4} {r['local_rank']:>5} {r['node_rank']:>4} "
-            f"{r['world_size']:>5}  {r['host'][:20]:<20} {r['pid']:>7}  "
-            f"{r['backend']:<7} {r['device']}"
+            f"{r['rank']:>4} {r['local_rank']:>5} {r['node_rank']:>4} {r['world_size']:>5}  "
+            f"{r['host'][:20]:<20} {r['pid']:>7}  {r['backend']:<7} {r['device']}"
         )
     return "\n".join(lines)
 
 
-def verify_table(rows: list[dict], world_size: int) -> None:
-    check(
-        sorted(r["rank"] for r in rows) == list(range(world_size)),
-        "ranks",
-        f"expected each of 0..{world_size - 1} once, got {[r['rank'] for r in rows]}",
-    )
-    check(
-        all(r["world_size"] == world_size for r in rows),
-        "world size",
-        f"ranks disagree: {[r['world_size'] for r in rows]}",
-    )
+def verify_table(rows, world_size):
+    ranks = [r["rank"] for r in rows]
+    check(ranks == list(range(world_size)), "ranks", f"expected 0..{world_size - 1}, got {ranks}")
     slots = [(r["node_rank"], r["local_rank"]) for r in rows]
-    check(
-        len(set(slots)) == len(slots),
-        "local ranks",
-        f"two processes share a (node rank, local rank) slot: {sorted(slots)}",
-    )
+    check(len(set(slots)) == len(slots), "local ranks", f"two processes share a slot: {slots}")
     # One node never spans two machines (several nodes on one machine are fine: a test's
     # two torchrun agents). A manual launch that leaves out --local-rank and
     # --local-world-size assumes one machine: on two, ranks there would claim node 0.
-    machines = {}
-    for r in rows:
-        machines.setdefault(r["node_rank"], set()).add(r["host"])
-    spread = {node: sorted(hosts) for node, hosts in machines.items() if len(hosts) > 1}
+    machines = sorted({(r["node_rank"], r["host"]) for r in rows})  # (node rank, host) pairs
     check(
-        not spread,
+        len(machines) == len({node for node, _ in machines}),
         "nodes",
-        f"node rank(s) {spread} span several machines: by hand on several machines, give "
+        f"a node rank on several machines, in {machines}: by hand on several machines, give "
         f"each process --local-rank and --local-world-size",
     )
 
 
-def verify_collectives(d: Dist, timeout: float) -> str:
-    ws, rank, dev = d.world_size, d.rank, d.device
+def verify_collectives(d, timeout):
+    ws = d.world_size
+    mine = torch.tensor([d.rank], device=d.device)
 
-    t = torch.tensor([rank], dtype=torch.int64, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.SUM)  # in place: every rank ends with the total
-    expected = ws * (ws - 1) // 2
-    check(t.item() == expected, "all_reduce", f"sum of ranks should be {expected}, got {t.item()}")
+    total = mine.clone()
+    dist.all_reduce(total)  # a SUM, in place: every rank ends with the total
+    check(total.item() == sum(range(ws)), "all_reduce", f"sum of ranks: {total.item()}")
 
-    mine = torch.tensor([rank, rank * rank], dtype=torch.int64, device=dev)
     gathered = [torch.empty_like(mine) for _ in range(ws)]
     dist.all_gather(gathered, mine)  # slot i holds rank i's tensor, on every rank
-    got = [g.tolist() for g in gathered]
-    check(got == [[r, r * r] for r in range(ws)], "all_gather", f"got {got}")
+    got = torch.cat(gathered).tolist()
+    check(got == list(range(ws)), "all_gather", f"got {got}")
 
-    token = torch.tensor([1000 + ws if rank == 0 else -1], dtype=torch.int64, device=dev)
+    token = mine + 1000  # 1000 + my rank
     dist.broadcast(token, src=0)  # rank 0's value overwrites everyone's
-    check(token.item() == 1000 + ws, "broadcast", f"expected {1000 + ws}, got {token.item()}")
+    check(token.item() == 1000, "broadcast", f"expected rank 0's 1000, got {token.item()}")
 
     # Every rank must call new_group for every group, members or not, in the same order.
     # A group's timeout is the backend's default (10 or 30 min), not the default group's.
+    halves = [list(range(start, ws, 2)) for start in range(min(ws, 2))]  # even ranks, odd ranks
     limit = datetime.timedelta(seconds=timeout)
-    evens, odds = list(range(0, ws, 2)), list(range(1, ws, 2))
-    groups = {"even": dist.new_group(evens, timeout=limit)}
-    if odds:
-        groups["odd"] = dist.new_group(odds, timeout=limit)
-    name, members = ("even", evens) if rank % 2 == 0 else ("odd", odds)
-    s = torch.tensor([rank], dtype=torch.int64, device=dev)
-    dist.all_reduce(s, group=groups[name])  # only the members of my group take part
-    check(
-        s.item() == sum(members),
-        f"all_reduce in the {name} group",
-        f"expected {sum(members)} (ranks {members}), got {s.item()}",
-    )
-    sums = [None] * ws
-    dist.all_gather_object(sums, (name, s.item()))
-    group_sums = dict(sums)
-
+    groups = [dist.new_group(ranks, timeout=limit) for ranks in halves]
+    members = halves[d.rank % 2]
+    s = mine.clone()
+    dist.all_reduce(s, group=groups[d.rank % 2])  # only the members of my group take part
+    check(s.item() == sum(members), f"all_reduce in group {members}", f"got {s.item()}")
+    # (past the barrier in main(), every rank has checked its own group's sum)
     return (
-        f"all_reduce sum={t.item()}, all_gather={[g[0] for g in got]}, "
-        f"broadcast={token.item()}, "
-        + ", ".join(
-            f"{n} group {m} sum={group_sums[n]}" for n, m in (("even", evens), ("odd", odds)) if m
-        )
+        f"all_reduce sum={total.item()}, all_gather={got}, broadcast={token.item()}, "
+        f"all_reduce in groups {halves}: sums {[sum(ranks) for ranks in halves]}"
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
-
-    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
-        if how.get("default") is not None:
-            what += " (default: %(default)s)"
-        group.add_argument(name, help=what, **how)
-
-    how = "env:// (torchrun, --spawn, one process), tcp://HOST:PORT or file:///PATH"
-    add(parser, "--init-method", how, type=init_method, default="env://")
-    backends = ["auto", "nccl", "gloo"]
-    add(
-        parser,
+def build_parser():
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--init-method",
+        type=init_method,
+        default="env://",
+        help="env://, tcp://HOST:PORT or file:///PATH (default: %(default)s)",
+    )
+    parser.add_argument(
         "--backend",
-        "auto: NCCL if a GPU is visible, else Gloo",
-        choices=backends,
+        choices=["auto", "nccl", "gloo"],
         default="auto",
+        help="auto: NCCL if a GPU is visible, else Gloo (default: %(default)s)",
     )
-    g = parser.add_argument_group("a manual launch (one command per process)")
-    add(g, "--rank", "this process's rank", type=number(int, 0))
-    add(g, "--world-size", "how many processes in all", type=number(int, 1))
-    add(
-        g,
+    # a manual launch, one command per process, says who each process is
+    parser.add_argument("--rank", type=number(int, 0), help="by hand: this process's rank")
+    parser.add_argument("--world-size", type=number(int, 1), help="by hand: processes in all")
+    parser.add_argument(
         "--local-rank",
-        "its index on its machine, picks its GPU (default: --rank)",
         type=number(int, 0),
+        help="by hand: its index on its machine, picks its GPU (default: --rank)",
     )
-    add(
-        g,
+    parser.add_argument(
         "--local-world-size",
-        "processes on its machine (default: --world-size)",
         type=number(int, 1),
+        help="by hand: processes on its machine (default: --world-size)",
     )
     add_launch_args(parser)
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
+def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.backend == "nccl" and not torch.cuda.is_available():
         parser.error("--backend nccl needs a CUDA GPU and torch sees none; use --backend gloo")
-    manual = args.rank is not None
-    if manual != (args.world_size is not None):
+    if (args.rank is None) != (args.world_size is None):
         parser.error(
             "--rank and --world-size go together, for a manual launch (--spawn N sets both)"
         )
-    if manual and args.spawn is not None:
-        parser.error("--spawn assigns ranks itself; drop --rank/--world-size")
-    if manual and args.rank >= args.world_size:
-        parser.error(f"--rank {args.rank} must be < --world-size {args.world_size}")
-    if not manual and (args.local_rank, args.local_world_size) != (None, None):
-        parser.error("--local-rank and --local-world-size are for a manual launch with --rank")
-    scheme = args.init_method.split("://")[0]
-    if scheme != "env" and not manual and args.spawn is None and "RANK" not in os.environ:
-        parser.error(f"{scheme}:// needs --rank and --world-size (or --spawn N)")
-    if manual:  # where does this process sit on its machine? Unsaid: one machine holds all
-        local = args.local_rank if args.local_rank is not None else args.rank
-        per_node = args.local_world_size or args.world_size
-        if not (local < per_node <= args.world_size and local <= args.rank):
+    if args.rank is not None:  # where does it sit on its machine? Unsaid: one machine holds all
+        if args.local_rank is None:
+            args.local_rank = args.rank
+        args.local_world_size = args.local_world_size or args.world_size
+        if not (
+            args.local_rank <= args.rank < args.world_size
+            and args.local_rank < args.local_world_size <= args.world_size
+        ):
             parser.error(
-                f"--local-rank {local} with --local-world-size {per_node} does not fit "
-                f"rank {args.rank} of {args.world_size}"
+                f"--rank {args.rank}, --world-size {args.world_size}, --local-rank "
+                f"{args.local_rank}, --local-world-size {args.local_world_size}: needs rank < "
+                f"world size, local rank <= rank, local rank < local world size <= world size"
             )
-        gpus = torch.cuda.device_count() if args.backend != "gloo" else 0
-        if gpus > 1 and per_node > gpus:  # one machine assumed, but this one cannot hold them
-            parser.error(
-                f"rank {args.rank} of {args.world_size} on a machine with {gpus} GPU(s): on "
-                f"several machines give each process --local-rank (its index on its machine) "
-                f"and --local-world-size; on one, NCCL needs a GPU per process (or --backend gloo)"
-            )
-        args.local_rank, args.local_world_size = local, per_node
-    args.rendezvous_file = Path(args.init_method[len("file://") :]) if scheme == "file" else None
+    file = args.init_method.startswith("file://")
+    args.rendezvous_file = Path(args.init_method.removeprefix("file://")) if file else None
     return args
 
 
-def init_method(text: str) -> str:
+def init_method(text):
     """An argparse type: env://, tcp://HOST:PORT (an IPv6 host in brackets, [::1]) or
     file:///PATH in a folder that exists (torch would wait for it forever)."""
     if text == "env://" or re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d+", text):
         return text
-    if text.startswith("tcp://"):
+    if not (text.startswith("file:///") and Path(text.removeprefix("file://")).parent.is_dir()):
         raise argparse.ArgumentTypeError(
-            f"tcp:// needs HOST:PORT, e.g. tcp://127.0.0.1:29500, got {text}"
-        )
-    if not text.startswith("file:///"):
-        raise argparse.ArgumentTypeError(f"use env://, tcp://HOST:PORT or file:///PATH: {text}")
-    if not Path(text[len("file://") :]).parent.is_dir():
-        folder = Path(text[len("file://") :]).parent
-        raise argparse.ArgumentTypeError(
-            f"the folder {folder} does not exist; every process must see it"
+            f"use env://, tcp://HOST:PORT or file:///PATH in a folder every process sees: {text}"
         )
     return text
+
+
+# The shared plumbing below, in the order a rank meets it:
+#   launch()       A process that a launcher started (RANK is set: torchrun, or a manual
+#                  launch) runs as its rank, and --spawn is ignored. Else --spawn N starts
+#                  N ranks with mp.spawn (N left out: one per GPU, else 2), and a plain run
+#                  is a world of one; launch() sets their variables as torchrun would,
+#                  MASTER_ADDR:MASTER_PORT a free port of this machine.
+#   run_rank()     Runs main() and ends the process (end(): exit hooks, then os._exit):
+#                  exit 0; exit 1 after one line, "[rank N] CHECK FAILED: ..." or "[rank N]
+#                  error: ..." (a SetupError, or torch.distributed's error: a lost peer,
+#                  say), a bug elsewhere keeping its traceback; SIGINT, SIGTERM or SIGHUP:
+#                  "[rank N] stopped by SIGTERM", exit 128 + the signal's number (a signal
+#                  ignored at start, nohup's SIGHUP, stays ignored).
+#   setup()        env:// (or a store it is given): checks the four launcher variables,
+#                  bind_device(), then joins in a thread and waits for it, until --timeout
+#                  + 2 s or a signal: "not all of W ranks joined within Ts (env:// at
+#                  HOST:PORT); start the others", or "cannot join the process group at
+#                  ...: " + torch's first line.
+#   bind_device()  Gives torch's threads this process's share of the cores. gloo=True, or
+#                  no CUDA: the CPU. Else cuda:LOCAL_RANK (or the one GPU it sees), set
+#                  before init_process_group, which gets it as device_id (NCCL connects now).
+#   say()          Rank 0's story; a line stdout cannot take is dropped, not an error.
+#   number()       An argparse type: a number in a range (never nan or inf).
+#   (03, 04 and 05, which write files, also share output_file(), rank0_writes() and
+#   write_atomic(), outside the block: rank 0 writes a file whole, and every rank raises
+#   rank 0's error, so none waits for a rank 0 that failed.)
+#   check(), CheckFailed, SetupError
+#                  A property that did not hold; a job that cannot run as configured.
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -399,53 +371,10 @@ def number(cast, low, high=2**32):
     return parse
 
 
-def output_file(text):
-    """An argparse type for a file the job writes: its folder is made now and must be
-    writable, so that a bad path ends the run before any work is done."""
-    path = Path(text)
-    with contextlib.suppress(OSError):  # a file in the way, say: named below
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() or not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
-    return path
-
-
-def rank0_writes(path, save, d):
-    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
-    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
-    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)
-        try:
-            write_atomic(path, buffer.getvalue())
-        except SetupError as e:
-            error = [str(e)]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
-def write_atomic(path, data):
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: name the file, not a traceback
-        tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
-
-
 def add_launch_args(parser):
     if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument(
+    parser.add_argument(
         "--spawn",
         nargs="?",
         const=0,
@@ -453,7 +382,7 @@ def add_launch_args(parser):
         metavar="N",
         help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
     )
-    g.add_argument(
+    parser.add_argument(
         "--timeout",
         type=number(float, 0.1, 1e6),
         default=300.0,
@@ -465,14 +394,16 @@ def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = 1  # no launcher and no --spawn: a world of one, through the same code path
+    if args.spawn is not None:  # --spawn N; N left out or 0: one per GPU, else 2
+        n = args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
     # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:  # no launcher: a world of one, through the same code path
+    if args.spawn is None:
         run_rank(0, main, args)
     try:
         mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
@@ -538,28 +469,31 @@ def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     env = [os.environ.get(name, "") for name in names]
-    rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
+    values = [int(v) if v.isdigit() else -1 for v in env]  # missing or not a number: -1
+    rank, world, local_rank, local_world = values
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"{', '.join(names)} are {env}: invalid")
     device = bind_device(local_rank, local_world, gloo)
+    cuda = device.type == "cuda"
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
     joining = concurrent.futures.ThreadPoolExecutor(1).submit(
         dist.init_process_group,
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if cuda else None,
     )
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         joining.result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(f"not all of {world} ranks joined within {timeout:g}s ({where})") from None
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
@@ -570,10 +504,10 @@ def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
     mine = affinity(0)  # the cores this process may run on
-    # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
-    # else (torchrun, mp.spawn) the node's processes share them
-    alone = mine < affinity(os.getppid())
-    torch.set_num_threads(len(mine) if alone else max(1, len(mine) // local_world))
+    if mine < affinity(os.getppid()):  # fewer than its parent's: a launcher bound it alone
+        torch.set_num_threads(len(mine))  # (srun --cpus-per-task=N): all of them are its own
+    else:  # torchrun, mp.spawn: the node's processes share them
+        torch.set_num_threads(max(1, len(mine) // local_world))
     if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
@@ -592,10 +526,6 @@ def bind_device(local_rank, local_world, gloo=False):
 if __name__ == "__main__":
     args = parse_args()
     if args.rank is not None:  # started by hand: say who it is, as a launcher would
-        os.environ.update(
-            RANK=str(args.rank),
-            WORLD_SIZE=str(args.world_size),
-            LOCAL_RANK=str(args.local_rank),
-            LOCAL_WORLD_SIZE=str(args.local_world_size),
-        )
+        for name in ("rank", "world_size", "local_rank", "local_world_size"):
+            os.environ[name.upper()] = str(getattr(args, name))  # RANK=..., WORLD_SIZE=...
     launch(main, args)

@@ -369,7 +369,8 @@ def setup(timeout, store=None, gloo=False):
     try:
         joining.result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(f"not all of {world} ranks joined within {timeout:g}s ({where})") from None
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e

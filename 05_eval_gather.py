@@ -280,6 +280,37 @@ def verify_against_one_process(model, dataset, args, d, metrics):
     check(same, "equal to one process", f"{metrics} on {d.world_size} ranks, {alone} alone")
 
 
+def rank0_writes(path, save, d):
+    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
+    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
+    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)  # into memory first: torch.save's own failed write names no cause
+        try:
+            write_atomic(path, buffer.getvalue())
+        except SetupError as e:
+            error = [str(e)]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
+
+
+def write_atomic(path, data):
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    except OSError as e:  # a full disk, say: name the file, not a traceback
+        tmp.unlink(missing_ok=True)
+        raise SetupError(f"cannot write {path}: {e.strerror}") from e
+
+
 def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -364,6 +395,18 @@ def parse_args(argv=None):
     return args
 
 
+def output_file(text):
+    """An argparse type for a file the job writes: its folder is made now and must be one we
+    can create files in (write and search permission), so that a bad path ends the run
+    before any work is done."""
+    path = Path(text)
+    with contextlib.suppress(OSError):  # a file in the way, say: refused below
+        path.parent.mkdir(parents=True, exist_ok=True)
+    if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
+    return path
+
+
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
 
 
@@ -400,53 +443,10 @@ def number(cast, low, high=2**32):
     return parse
 
 
-def output_file(text):
-    """An argparse type for a file the job writes: its folder is made now and must be
-    writable, so that a bad path ends the run before any work is done."""
-    path = Path(text)
-    with contextlib.suppress(OSError):  # a file in the way, say: named below
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() or not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
-    return path
-
-
-def rank0_writes(path, save, d):
-    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
-    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
-    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)
-        try:
-            write_atomic(path, buffer.getvalue())
-        except SetupError as e:
-            error = [str(e)]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
-def write_atomic(path, data):
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: name the file, not a traceback
-        tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
-
-
 def add_launch_args(parser):
     if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument(
+    parser.add_argument(
         "--spawn",
         nargs="?",
         const=0,
@@ -454,7 +454,7 @@ def add_launch_args(parser):
         metavar="N",
         help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
     )
-    g.add_argument(
+    parser.add_argument(
         "--timeout",
         type=number(float, 0.1, 1e6),
         default=300.0,
@@ -466,14 +466,16 @@ def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = 1  # no launcher and no --spawn: a world of one, through the same code path
+    if args.spawn is not None:  # --spawn N; N left out or 0: one per GPU, else 2
+        n = args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
     # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:  # no launcher: a world of one, through the same code path
+    if args.spawn is None:
         run_rank(0, main, args)
     try:
         mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
@@ -539,28 +541,31 @@ def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     env = [os.environ.get(name, "") for name in names]
-    rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
+    values = [int(v) if v.isdigit() else -1 for v in env]  # missing or not a number: -1
+    rank, world, local_rank, local_world = values
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"{', '.join(names)} are {env}: invalid")
     device = bind_device(local_rank, local_world, gloo)
+    cuda = device.type == "cuda"
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
     joining = concurrent.futures.ThreadPoolExecutor(1).submit(
         dist.init_process_group,
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if cuda else None,
     )
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         joining.result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(f"not all of {world} ranks joined within {timeout:g}s ({where})") from None
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
@@ -571,10 +576,10 @@ def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
     mine = affinity(0)  # the cores this process may run on
-    # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
-    # else (torchrun, mp.spawn) the node's processes share them
-    alone = mine < affinity(os.getppid())
-    torch.set_num_threads(len(mine) if alone else max(1, len(mine) // local_world))
+    if mine < affinity(os.getppid()):  # fewer than its parent's: a launcher bound it alone
+        torch.set_num_threads(len(mine))  # (srun --cpus-per-task=N): all of them are its own
+    else:  # torchrun, mp.spawn: the node's processes share them
+        torch.set_num_threads(max(1, len(mine) // local_world))
     if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()

@@ -48,16 +48,11 @@ def table(stdout: str) -> list[dict]:
 
 
 def expected_summary(ws: int) -> str:
-    evens, odds = list(range(0, ws, 2)), list(range(1, ws, 2))
-    parts = [
-        f"all_reduce sum={ws * (ws - 1) // 2}",
-        f"all_gather={list(range(ws))}",
-        f"broadcast={1000 + ws}",
-        f"even group {evens} sum={sum(evens)}",
-    ]
-    if odds:
-        parts.append(f"odd group {odds} sum={sum(odds)}")
-    return ", ".join(parts)
+    halves = [list(range(0, ws, 2)), list(range(1, ws, 2))][: min(ws, 2)]  # even, odd ranks
+    return (
+        f"all_reduce sum={ws * (ws - 1) // 2}, all_gather={list(range(ws))}, broadcast=1000, "
+        f"all_reduce in groups {halves}: sums {[sum(h) for h in halves]}"
+    )
 
 
 def assert_one_node_job(stdout: str, ws: int, scheme: str = "env") -> None:
@@ -85,6 +80,12 @@ def test_torchrun_ranks_and_collectives(tmp_path):
     # the same launch proves a promise of the shared plumbing (tests/test_plumbing.py): the
     # program's exit hooks ran on every rank, although each ends with os._exit
     assert hooks_that_ran(tmp_path) == ["rank0", "rank1", "rank2"]
+
+
+def test_tcp_without_rank_is_a_world_of_one_like_env():
+    # forked: one process, no launcher, as `python 01_init_methods.py --init-method tcp://...`
+    r = forked(SCRIPT, "--init-method", f"tcp://127.0.0.1:{free_port()}", timeout=60).ok()
+    assert_one_node_job(r.stdout, 1, "tcp")
 
 
 def test_spawn_with_tcp_init_passes_ranks_itself():
@@ -143,12 +144,11 @@ def test_a_killed_jobs_rendezvous_file_is_refused_at_start_by_every_rank(tmp_pat
     ).failed()
     lines = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert len(lines) == 2, r
-    for rank, line in enumerate(lines):
-        assert re.fullmatch(
-            rf"\[rank {rank}\] error: {re.escape(str(tmp_path))}/rdzv is left by an earlier job "
-            r"\(opened by 2 process\(es\), last written \d+s ago\): delete it or use a fresh path",
-            line,
-        ), r
+    assert lines == [
+        f"[rank {rank}] error: {tmp_path}/rdzv is left by an earlier job (opened by 2 "
+        f"process(es)): delete it or use a fresh path"
+        for rank in (0, 1)
+    ], r
     assert r.seconds < 15, r  # at start, not at --timeout
 
 
@@ -158,12 +158,10 @@ def test_a_file_of_a_world_of_one_is_refused_at_start(tmp_path):
     stale.write_bytes(b"left by a job that was killed")
     args = ["--init-method", f"file://{stale}", "--rank", "0", "--world-size", "1"]
     r = forked(SCRIPT, *args, "--timeout", "60", timeout=30).failed()
-    [line] = r.stderr.strip().splitlines()
-    assert re.fullmatch(
-        rf"\[rank 0\] error: {re.escape(str(stale))} is left by an earlier job \(opened by 0 "
-        r"process\(es\), last written \d+s ago\): delete it or use a fresh path",
-        line,
-    ), r
+    assert r.stderr.strip().splitlines() == [
+        f"[rank 0] error: {stale} is left by an earlier job (opened by 0 process(es)): delete it "
+        f"or use a fresh path"
+    ], r
 
 
 def test_a_live_rank_0s_file_that_looks_old_is_joined(tmp_path):
@@ -280,6 +278,7 @@ def test_missing_ranks_fail_after_timeout_saying_how_many_joined():
     args = ["--init-method", init, "--rank", "0", "--world-size", "3", "--timeout", "1"]
     r = forked(SCRIPT, *args, timeout=60).failed()
     # torch's own words after ours: "Timed out after ... waiting for clients. 1/3 clients joined."
+    # (told apart from other failures by the time it came, not by its words)
     line = f"[rank 0] error: not all of 3 ranks joined within 1s ({init}): "
     assert r.stderr.startswith(line) and "1/3 clients joined" in r.stderr, r
     assert len(r.stderr.strip().splitlines()) == 1, r
@@ -308,33 +307,35 @@ def test_an_ipv6_address_in_brackets_works_with_tcp():
 
 MANUAL = ["--init-method", "tcp://127.0.0.1:1"]
 RANGE = "< 4294967296"  # number()'s upper bound: 2**32
+INIT = "use env://, tcp://HOST:PORT or file:///PATH in a folder every process sees"
+FIT = "needs rank < world size, local rank <= rank, local rank < local world size <= world size"
 
 
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--init-method", "udp://127.0.0.1:1"], "use env://, tcp://HOST:PORT or file:///PATH"),
-        (["--init-method", "tcp://127.0.0.1"], "tcp:// needs HOST:PORT"),
-        (["--init-method", "tcp://[::1]"], "tcp:// needs HOST:PORT"),
-        (MANUAL, "tcp:// needs --rank and --world-size"),
+        (["--init-method", "udp://127.0.0.1:1"], f"{INIT}: udp://127.0.0.1:1"),
+        (["--init-method", "tcp://127.0.0.1"], f"{INIT}: tcp://127.0.0.1"),
+        (["--init-method", "tcp://[::1]"], f"{INIT}: tcp://[::1]"),
         (
             [*MANUAL, "--rank", "-1", "--world-size", "2"],
             f"--rank: must be >= 0 and {RANGE}, got -1",
         ),
-        ([*MANUAL, "--rank", "2", "--world-size", "2"], "--rank 2 must be < --world-size 2"),
+        (
+            [*MANUAL, "--rank", "2", "--world-size", "2"],
+            f"--rank 2, --world-size 2, --local-rank 2, --local-world-size 2: {FIT}",
+        ),
         ([*MANUAL, "--rank", "0"], "--rank and --world-size go together"),
         (["--spawn", "-1"], f"--spawn: must be >= 0 and {RANGE}, got -1"),
-        (["--spawn", "2", *MANUAL, "--rank", "0", "--world-size", "2"], "--spawn assigns ranks"),
         (
             ["--init-method", "file:///no/such/folder/rdzv", "--rank", "0", "--world-size", "2"],
-            "the folder /no/such/folder does not exist; every process must see it",
+            f"{INIT}: file:///no/such/folder/rdzv",
         ),
         (
             [*MANUAL, "--rank", "1", "--world-size", "4", "--local-rank", "2"]
             + ["--local-world-size", "2"],
-            "--local-rank 2 with --local-world-size 2 does not fit rank 1 of 4",
+            f"--rank 1, --world-size 4, --local-rank 2, --local-world-size 2: {FIT}",
         ),
-        (["--local-rank", "0"], "--local-rank and --local-world-size are for a manual launch"),
         (["--timeout", "-3"], "--timeout: must be >= 0.1 and < 1000000.0, got -3"),
         (["--timeout", "1e11"], "--timeout: must be >= 0.1 and < 1000000.0, got 1e11"),
         (["--timeout", "inf"], "--timeout: must be >= 0.1 and < 1000000.0, got inf"),
@@ -348,14 +349,11 @@ def test_bad_arguments_are_usage_errors(args, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_spawn_under_a_launcher_is_refused_before_any_work():
-    env = dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")  # as torchrun's
-    r = run(SCRIPT, "--spawn", "2", env=env, timeout=60)
-    assert r.returncode == 1, r
-    assert r.stderr.strip().splitlines() == [
-        "error: --spawn starts processes itself; under a launcher, drop it"
-    ]
-    assert r.stdout == ""  # no rank ran
+def test_spawn_under_a_launcher_is_ignored():
+    # forked with 2 processes, the launcher's variables set as torchrun sets them: each
+    # process runs as the rank it was given, and --spawn 3 starts nothing
+    r = forked(SCRIPT, "--spawn", "3", nproc=2, timeout=60).ok()
+    assert_one_node_job(r.stdout, 2)
 
 
 @pytest.mark.parametrize(
@@ -398,7 +396,7 @@ def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout():
     [line] = ours(r, 1)
     where = re.escape(f"env:// at 127.0.0.1:{port}")
     assert re.fullmatch(
-        rf"\[rank 1\] error: not all of 2 ranks joined within 3s \({where}\); start the others"
+        rf"\[rank 1\] error: not all of 2 ranks joined within 3s \({where}\)"
         rf"|\[rank 1\] error: cannot join the process group at {where}: The client socket has "
         rf"timed out after 3(000ms|s) while trying to connect to \(127\.0\.0\.1, {port}\)\.",
         line,
@@ -415,8 +413,7 @@ def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout(
     assert r.returncode == 1, r
     assert 3 + 2 <= r.seconds < 3 + 2 + 3, r
     assert r.stderr.strip().splitlines() == [
-        f"[rank 1] error: not all of 2 ranks joined within 3s (env:// at 127.0.0.1:{port}); "
-        f"start the others"
+        f"[rank 1] error: not all of 2 ranks joined within 3s (env:// at 127.0.0.1:{port})"
     ], r
 
 
@@ -483,46 +480,27 @@ def test_each_process_gets_its_share_of_the_cores(mine, parents, local_world, th
     affinity = {0: set(mine), os.getppid(): set(parents)}
     monkeypatch.setattr(torch, "set_num_threads", set_threads.append)
     monkeypatch.setattr(os, "sched_getaffinity", affinity.__getitem__)
-    assert str(load_script(SCRIPT).bind_device(1, local_world, "gloo")) == "cpu"
+    assert str(load_script(SCRIPT).bind_device(1, local_world, gloo=True)) == "cpu"
     assert set_threads == [threads]
 
 
 def test_bad_argument_exits_2_from_the_command_line():
     r = run(SCRIPT, "--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "2")
     assert r.returncode == 2, r
-    assert (
-        r.stderr.strip().splitlines()[-1]
-        == "01_init_methods.py: error: --rank 2 must be < --world-size 2"
+    assert r.stderr.strip().splitlines()[-1] == (
+        f"01_init_methods.py: error: --rank 2, --world-size 2, --local-rank 2, "
+        f"--local-world-size 2: {FIT}"
     )
 
 
-def test_a_second_machines_rank_without_its_local_rank_is_told_what_to_pass(monkeypatch, capsys):
-    # by hand on two machines of 2 GPUs: rank 2 started without --local-rank/--local-world-size
-    # would assume one machine of 4 processes (was: "4 processes on this node for 2 GPU(s)")
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    with pytest.raises(SystemExit) as exit_:
-        load_script(SCRIPT).parse_args(
-            ["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "4"]
-        )
-    assert exit_.value.code == 2
-    assert (
-        "rank 2 of 4 on a machine with 2 GPU(s): on several machines give each process --local-rank"
-    ) in capsys.readouterr().err
-    # with them, it fits
-    args = load_script(SCRIPT).parse_args(
-        [
-            "--init-method",
-            "tcp://127.0.0.1:1",
-            "--rank",
-            "2",
-            "--world-size",
-            "4",
-            "--local-rank",
-            "0",
-            "--local-world-size",
-            "2",
-        ]
-    )
+def test_a_manual_rank_sits_on_one_machine_unless_told_its_place_there():
+    # by hand on two machines of 2 processes: rank 2 without --local-rank/--local-world-size
+    # is local rank 2 of 4 on one machine (the table check below catches that on two); with
+    # them, local rank 0 of the second machine's 2
+    manual = ["--init-method", "tcp://127.0.0.1:1", "--rank", "2", "--world-size", "4"]
+    args = load_script(SCRIPT).parse_args(manual)
+    assert (args.local_rank, args.local_world_size) == (2, 4)
+    args = load_script(SCRIPT).parse_args([*manual, "--local-rank", "0", "--local-world-size", "2"])
     assert (args.local_rank, args.local_world_size) == (0, 2)
 
 
@@ -538,8 +516,8 @@ def test_a_node_rank_on_two_machines_fails_the_table_check():
     with pytest.raises(script.CheckFailed) as failed:
         script.verify_table(rows, 4)
     assert str(failed.value) == (
-        "nodes: node rank(s) {0: ['gpu-a', 'gpu-b']} span several machines: by hand on several "
-        "machines, give each process --local-rank and --local-world-size"
+        "nodes: a node rank on several machines, in [(0, 'gpu-a'), (0, 'gpu-b')]: by hand on "
+        "several machines, give each process --local-rank and --local-world-size"
     )
     # with them, rank 2 is local 0 of node 1 and rank 3 local 1: the table holds
     for row, local in zip(rows[2:], (0, 1)):
