@@ -396,7 +396,7 @@ def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout():
     [line] = ours(r, 1)
     where = re.escape(f"env:// at 127.0.0.1:{port}")
     assert re.fullmatch(
-        rf"\[rank 1\] error: not all of 2 ranks joined within 3s \({where}\)"
+        rf"\[rank 1\] error: not all of 2 ranks joined within 3s \({where}\); start the others"
         rf"|\[rank 1\] error: cannot join the process group at {where}: The client socket has "
         rf"timed out after 3(000ms|s) while trying to connect to \(127\.0\.0\.1, {port}\)\.",
         line,
@@ -413,7 +413,8 @@ def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout(
     assert r.returncode == 1, r
     assert 3 + 2 <= r.seconds < 3 + 2 + 3, r
     assert r.stderr.strip().splitlines() == [
-        f"[rank 1] error: not all of 2 ranks joined within 3s (env:// at 127.0.0.1:{port})"
+        f"[rank 1] error: not all of 2 ranks joined within 3s (env:// at 127.0.0.1:{port}); "
+        "start the others"
     ], r
 
 
