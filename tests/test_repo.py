@@ -42,7 +42,13 @@ SHARED_BY = 4  # a function this many scripts carry as the same text belongs in 
 MAX_PARAMETERS = 6
 # Helpers that some scripts share outside the block (fewer than SHARED_BY): one text wherever
 # they appear.
-SHARED_HELPERS = ("image_folder", "load_image")
+SHARED_HELPERS = (
+    "image_folder",
+    "load_image",
+    "output_file",
+    "rank0_writes",
+    "write_atomic",
+)
 
 
 def shared_block(text: str) -> str:
