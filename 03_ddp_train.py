@@ -15,14 +15,11 @@ and N processes with batch b train exactly like one process with batch N*b (chec
 rank ends with identical parameters and buffers). Global batch = world size x --batch-size
 x --accum-steps; --lr is used as given: to train the same, keep the global batch.
 Your own model and data: replace build_model() and build_datasets(); nothing else depends
-on their shapes. torch.compile: call model.compile() in main, before DDP(model); the
+on their shapes. torch.compile: --compile calls model.compile() before DDP(model); the
 first step waits for the slowest rank's compile, so give --timeout room for it. Needs
-torch >= 2.4; for torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
-A job that must survive restarts and preemption: 04_checkpoint.py is this file plus
-checkpoints.
+torch >= 2.4. A job that must survive restarts and preemption: 04_checkpoint.py is this
+file plus checkpoints.
 """
-
-from __future__ import annotations
 
 import argparse
 import atexit
@@ -33,7 +30,6 @@ import hashlib
 import io
 import math
 import os
-import re
 import signal
 import socket
 import sys
@@ -51,64 +47,62 @@ import torch.nn as nn
 import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
-from torch.utils.data import DataLoader, Dataset, Subset
-from torch.utils.data.distributed import DistributedSampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp none: no autocast
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 
 
-def main(args: argparse.Namespace) -> None:
+def main(args):
     d = setup(args.timeout)
+    cuda = d.device.type == "cuda"
     # GPUs: cuDNN times its algorithms once per input shape and keeps the fastest; training's
     # shapes never change (drop_last). 04 leaves it off: its resumed run must pick the same.
-    torch.backends.cudnn.benchmark = d.device.type == "cuda"
+    torch.backends.cudnn.benchmark = cuda
     train_set, val_set, num_classes = build_datasets(args)
-    train_loader, sampler, val_loader = make_loaders(args, d, train_set, val_set)
+    train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
-    if steps_per_epoch == 0:  # full batches only: a last batch of one image fails BatchNorm
-        batches = f"each rank's {len(sampler)} image(s) make {len(train_loader)} full batch(es)"
-        raise SetupError(f"{batches} of {args.batch_size}; a step takes {args.accum_steps}")
-    torch.manual_seed(args.seed)  # the same initial weights on every rank (DDP broadcasts too)
+    if not steps_per_epoch:  # full batches only: a last batch of one image fails BatchNorm
+        raise SetupError(
+            f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
+            f"a step takes {args.accum_steps}"
+        )
+    torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts them too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
     if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
         model.compile(backend=args.compile)  # (torch.compile(model) would add "_orig_mod.")
     ddp_model = DDP(
         model,
-        device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
+        device_ids=[d.device] if cuda else None,  # CPU: None
         bucket_cap_mb=args.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
         find_unused_parameters=args.find_unused_parameters,  # only if some get no gradient
         static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
         gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
     )
-    torch.manual_seed(args.seed + d.rank)  # but each rank draws its own dropout masks
-    optimizer = build_optimizer(model, args, fused=d.device.type == "cuda")
+    torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
+    optimizer = build_optimizer(model, args, fused=cuda)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     state = TrainState(model, optimizer, scheduler, scaler)
     if d.rank == 0:
-        say(
-            f"training {type(model).__name__} ({sum(p.numel() for p in model.parameters()):,} "
-            f"params, {num_classes} classes) on {d.world_size} x {d.device.type} "
-            f"({dist.get_backend()}); {len(train_set)} train / {len(val_set)} val images; "
-            f"global batch {d.world_size * args.batch_size * args.accum_steps} = "
-            f"{d.world_size} ranks x {args.batch_size} x {args.accum_steps} accum; "
-            f"{state.scheduler.total_steps} steps"
-        )
-    history = []
+        say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
+        say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
+        say(f"{total_steps} steps of {args.batch_size} images x {args.accum_steps} accum per rank")
+    losses = []
     while state.epoch < args.epochs:
-        sampler.set_epoch(state.epoch)  # same seed + epoch on every rank: a shared new order
-        train_loader.dataset.set_epoch(state.epoch)  # and new augmentations, wherever drawn
-        train = train_one_epoch(ddp_model, train_loader, state, args, d)
+        train_loader.sampler.set_epoch(state.epoch)  # same seed + epoch on every rank: one order
+        train_loader.dataset.epoch = state.epoch  # and new augmentations, wherever drawn
+        loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d)
+        losses.append(loss)
         # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val = evaluate(model, val_loader, args, d) if len(val_set) else None
-        history.append((train, val))
+        val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
         if d.rank == 0:
-            say(f"epoch {state.epoch + 1} done: {describe(train, val)}")
+            say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
+            say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
         state.epoch += 1
 
     # ---- after training: the replica check, the saved model, the summary ----------------
@@ -116,30 +110,43 @@ def main(args: argparse.Namespace) -> None:
     if args.save_model:  # the plain model: keys without "module."
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
-        say(summary(history, state, d))
-        saved = f"; rank 0 saved them to {args.save_model}" if args.save_model else ""
-        say(f"verified: {verified}{saved}")
+        # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
+        say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
+        say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
+        say(f"verified: {verified}")
 
 
 # ---- your data: any Dataset of (image, label); replace build_datasets() ------------------
-def build_datasets(args: argparse.Namespace) -> tuple[Dataset, Dataset, int]:
+def build_datasets(args):
     """The training set, the validation set and the number of classes."""
-    if not args.data:
-        shape = (args.num_classes, args.image_size, args.seed)
-        train = SyntheticImages(args.train_size, *shape, train=True)
-        return train, SyntheticImages(args.val_size, *shape, train=False), args.num_classes
+    if not args.data:  # synthetic images of 10 classes, made in memory
+        train_set = synthetic_images(args.train_size, args.image_size, split=0)
+        val_set = synthetic_images(args.val_size, args.image_size, split=1)
+        return train_set, val_set, 10
     T = torchvision.transforms
+    size = args.image_size
     # torchvision's ImageNet recipe: random crops and flips to train (each image's drawn from
-    # its own seed: SeededAugmentation, below), a centre crop to validate; ImageNet's mean/std
-    tensor = [T.ToTensor(), T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])]
-    augment = [T.RandomResizedCrop(args.image_size), T.RandomHorizontalFlip()]
-    centre = [T.Resize(round(args.image_size * 256 / 224)), T.CenterCrop(args.image_size)]
-    train_set = image_folder(args.data / "train", T.Compose(augment + tensor))
-    val_set = image_folder(args.data / "val", T.Compose(centre + tensor))
-    if val_set.classes != train_set.classes:  # each split numbers its own folders' classes
-        differ = f"val's classes {val_set.classes} differ from train's {train_set.classes}"
-        raise SetupError(f"--data {args.data}: {differ}; their labels would not match")
+    # its own seed: SeededAugmentation, below), a centre crop to validate
+    # (pretrained weights would also want ImageNet's mean and std: T.Normalize(...))
+    augment = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor()])
+    centre = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor()])  # 224 of 256
+    train_set = image_folder(args.data / "train", augment)
+    val_set = image_folder(args.data / "val", centre)
+    # each split numbers its own folders' classes: a class missing from one shifts the labels
+    if train_set.classes != val_set.classes:
+        raise SetupError(f"--data {args.data}: train and val hold different class folders")
     return train_set, val_set, len(train_set.classes)
+
+
+def synthetic_images(count, size, split):
+    """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
+    plus noise; split 0 (train) and 1 (val) draw different images of the same classes."""
+    g = torch.Generator().manual_seed(0)
+    patterns = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=size, mode="bilinear")
+    g.manual_seed(1 + split)
+    labels = torch.randint(10, (count,), generator=g)
+    noise = torch.randn(count, 3, size, size, generator=g)
+    return TensorDataset(patterns[labels] + 1.5 * noise, labels)
 
 
 def image_folder(root, transform):
@@ -168,90 +175,55 @@ def load_image(path):
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
-class SyntheticImages(Dataset):
-    """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
-    plus noise. Nothing random at load time, so N processes see exactly what one would."""
-
-    def __init__(self, size: int, num_classes: int, image_size: int, seed: int, train: bool):
-        patterns = torch.randn(num_classes, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
-        patterns = F.interpolate(patterns, size=image_size, mode="bilinear", align_corners=False)
-        g = torch.Generator().manual_seed(seed + (1 if train else 2))  # train and val differ
-        self.labels = torch.randint(num_classes, (size,), generator=g)
-        noise = torch.randn(size, 3, image_size, image_size, generator=g)
-        self.images = patterns[self.labels] + 1.5 * noise
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int):
-        return self.images[index], int(self.labels[index])
-
-
-def make_loaders(args: argparse.Namespace, d: Dist, train_set: Dataset, val_set: Dataset):
-    """The training loader with its DistributedSampler, and this rank's validation loader."""
+def make_loaders(args, d, train_set, val_set):
+    """This rank's training loader (its DistributedSampler's shard) and validation loader."""
     # --workers left out: on CPU none (the cores train), on GPUs this process's cores (up to 8)
-    auto = 0 if d.device.type == "cpu" else min(8, torch.get_num_threads())
-    workers = auto if args.workers is None else args.workers
-    common = dict(
-        batch_size=args.batch_size,
+    cuda = d.device.type == "cuda"
+    workers = args.workers
+    if workers is None:
+        workers = min(8, torch.get_num_threads()) if cuda else 0
+    train_loader = DataLoader(
+        SeededAugmentation(train_set),
+        args.batch_size,
+        # this rank's shard (world size and rank from the process group); shuffled: each
+        # epoch a new order, the same on every rank (seed + epoch)
+        sampler=DistributedSampler(train_set),
         num_workers=workers,
-        persistent_workers=workers > 0,  # keep the workers alive from epoch to epoch
-        pin_memory=d.device.type == "cuda",  # page-locked: copies to the GPU run async
+        pin_memory=cuda,  # page-locked: copies to the GPU run async
+        drop_last=True,  # full batches only: a batch of one image fails BatchNorm in training
     )
-    train_set = SeededAugmentation(train_set, args.seed)
-    # shuffled (the default): each epoch a new order, the same on every rank (seed + epoch)
-    sampler = DistributedSampler(train_set, num_replicas=d.world_size, rank=d.rank, seed=args.seed)
-    # iter(loader) draws the workers' base seed from rng, not from the global RNG (dropout's),
-    # so a resumed run (04_checkpoint.py) keeps the same random stream.
-    # drop_last: full batches only (a batch of one image fails BatchNorm in training)
-    rng = torch.Generator().manual_seed(args.seed + d.rank)
-    train_loader = DataLoader(train_set, sampler=sampler, drop_last=True, generator=rng, **common)
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
-    return train_loader, sampler, DataLoader(val_shard, **common)
+    val_loader = DataLoader(val_shard, args.batch_size, num_workers=workers, pin_memory=cuda)
+    return train_loader, val_loader
 
 
 class SeededAugmentation(Dataset):
-    """The training set, each sample's random augmentation drawn from its own seed (the run's
-    seed, the epoch, the sample's index) instead of the random stream of whichever process
-    loads it (a DataLoader worker's differs by rank and by worker). So N processes train on
-    exactly what one would, and a resumed run (04_checkpoint.py) on what the interrupted one
-    would have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
+    """The training set, each sample's random augmentation drawn from a seed of its own (from
+    the epoch and the sample's index) instead of the random stream of whichever process loads
+    it (a DataLoader worker's differs by rank and by worker). So N processes train on exactly
+    what one would, and a resumed run (04_checkpoint.py) on what the interrupted one would
+    have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
 
-    def __init__(self, dataset: Dataset, seed: int):
-        self.dataset, self.seed = dataset, seed
-        # in shared memory: DataLoader workers, which hold copies of this object, see it change
-        self.epoch = torch.zeros((), dtype=torch.int64).share_memory_()
+    def __init__(self, dataset):
+        self.dataset = dataset
+        # set before each iter(loader), which starts the workers with a copy of this object
+        # (persistent_workers would keep epoch 0's)
+        self.epoch = 0
 
-    def set_epoch(self, epoch: int) -> None:  # before iter(loader), as for the sampler
-        self.epoch.fill_(epoch)
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: int):
-        seed = (self.seed * 1_000_003 + int(self.epoch)) * 1_000_003 + index
+    def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
-            torch.manual_seed(seed % 2**63)
+            torch.manual_seed(self.epoch * len(self.dataset) + index)  # one per (epoch, image)
             return self.dataset[index]
 
 
 # ---- your model: any nn.Module; replace build_model() ------------------------------------
-def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
-    kwargs = {"num_classes": num_classes}
-    if args.norm == "group":
-        # GroupNorm has no batch statistics: the same model however the batch is split
-        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
-    try:
-        model = torchvision.models.get_model(args.arch, **kwargs)
-    except TypeError as e:  # resnet*, resnext* and wide_resnet* take a norm_layer
-        raise SetupError(f"--norm group: {args.arch} takes no norm_layer (try a resnet)") from e
-    model.eval()  # one image through it now (no statistics change), so a misfit is named here
-    try:
-        model(torch.zeros(1, 3, args.image_size, args.image_size))
-    except (AssertionError, RuntimeError, ValueError) as e:  # vit_b_16 at 16 px, say
-        raise SetupError(f"--arch {args.arch} cannot take {args.image_size} px images: {e}") from e
+def build_model(args, num_classes):
+    kwargs = {}
+    if args.norm == "group":  # no batch statistics: the same model however the batch is split
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
+    model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
@@ -259,11 +231,11 @@ def build_model(args: argparse.Namespace, num_classes: int) -> nn.Module:
     return model
 
 
-def build_optimizer(model: nn.Module, args: argparse.Namespace, fused: bool) -> torch.optim.SGD:
+def build_optimizer(model, args, fused):
     """SGD with momentum; fused (GPUs): one kernel per step, and fp16's GradScaler.step then
     needs no .item()."""
     optimizer = torch.optim.SGD(
-        model.parameters(), args.lr, momentum=0.9, weight_decay=args.weight_decay, fused=fused
+        model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4, fused=fused
     )
     # Momentum buffers made now, as zeros: fused SGD makes missing ones with torch.empty_like
     # and keeps them unwritten if the first step is skipped (fp16 overflow): see NOTES.md
@@ -284,17 +256,19 @@ class TrainState:
     step: int = 0  # optimizer steps taken: the global step
 
 
-def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: Dist) -> dict:
-    """One pass over this rank's shard; the epoch's loss and accuracy over all ranks."""
+def train_one_epoch(model, loader, state, args, d):
+    """One pass over this rank's shard. Returns the epoch's loss and accuracy over all ranks,
+    and its speed in images per second."""
     model.train()
     amp = AMP_DTYPES.get(args.amp)
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, images
+    started = time.perf_counter()
+    sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
         for k in range(args.accum_steps):
             images, labels = next(batches)
-            images = images.to(d.device, dtype=args.dtype, non_blocking=True)
+            images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum. (static_graph: the first backward syncs; see NOTES.md)
@@ -304,160 +278,225 @@ def train_one_epoch(model: DDP, loader: DataLoader, state: TrainState, args, d: 
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
                 state.scaler.scale(loss / args.accum_steps).backward()
-            with torch.no_grad():  # running sums stay on the device: no wait for the GPU
-                sums[0] += loss.double() * len(labels)
-                sums[1] += (logits.argmax(1) == labels).sum()
-                sums[2] += len(labels)
+            # running sums stay on the device: no wait for the GPU
+            sums[0] += loss.detach() * len(labels)
+            sums[1] += (logits.argmax(1) == labels).sum()
+            sums[2] += len(labels)
         state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         state.scaler.update()
-        state.optimizer.zero_grad(set_to_none=True)
+        state.optimizer.zero_grad()
         state.scheduler.step()
         state.step += 1
 
-        # ---- bookkeeping: the clock and the progress line, not part of the step ----------
-        if i == 0:
-            started = clock(d)  # time from the end of step 1: it pays one-off costs
+        # ---- the progress line, not part of the step ----------------------------------
         if state.step % args.log_every == 0:
-            so_far = sums.clone()
-            dist.all_reduce(so_far)  # every rank, at the same steps: the epoch so far
-            progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
-            report(so_far, f"epoch {state.epoch + 1}/{args.epochs}  {progress}", state, d)
-    dist.all_reduce(sums)  # the whole epoch, over every rank's batches
-    loss, acc = report(sums, "", state, d)
-    images = (steps - 1) * args.batch_size * args.accum_steps * d.world_size
-    return {"loss": loss, "acc": acc, "images": images, "seconds": clock(d) - started}
+            so_far, acc, _ = all_reduce_metrics(sums)  # every rank: the epoch's loss so far
+            if d.rank == 0:
+                progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
+                say(f"epoch {state.epoch + 1}  {progress}  loss {so_far:.4f}  acc {acc:6.1%}")
+    loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
+    return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
 
 
-def report(sums: torch.Tensor, where: str, state: TrainState, d: Dist) -> tuple[float, float]:
-    """The loss and accuracy in all-reduced sums, checked finite on every rank; rank 0 prints
-    them after where (if any)."""
-    loss_sum, correct, count = sums.tolist()
-    diverged = f"the loss is not finite at step {state.step}: lower --lr"
-    check(math.isfinite(loss_sum), "finite loss", diverged)  # all-reduced: all stop together
-    if d.rank == 0 and where:
-        lr, acc = state.scheduler.get_last_lr()[0], 100 * correct / count
-        say(f"{where}  loss {loss_sum / count:.4f}  acc {acc:5.1f}%  lr {lr:.4f}")
-    return loss_sum / count, correct / count
-
-
-def clock(d: Dist) -> float:
-    if d.device.type == "cuda":
-        torch.cuda.synchronize(d.device)  # GPU work is queued: time what has finished
-    return time.perf_counter()
+def all_reduce_metrics(sums):
+    """Every rank's running (loss sum, correct, images) summed over all ranks: the mean loss,
+    the accuracy and the number of images. Every rank calls it at the same point, and all
+    stop together if the loss is not finite."""
+    sums = sums.clone()  # the caller's go on counting
+    dist.all_reduce(sums)
+    loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
+    check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
+    return loss_sum / max(count, 1), correct / max(count, 1), count
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader: DataLoader, args, d: Dist) -> dict:
+def evaluate(model, loader, args, d):
+    """The loss and accuracy over every rank's validation shard, and the number of images."""
     # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
     model.eval()
-    sums = torch.zeros(3, dtype=torch.float64, device=d.device)  # loss sum, correct, images
+    sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
-        images = images.to(d.device, dtype=args.dtype, non_blocking=True)
-        labels = labels.to(d.device, non_blocking=True)
-        logits = model(images)
-        sums[0] += F.cross_entropy(logits.double(), labels, reduction="sum")
+        logits = model(images.to(d.device, args.dtype))
+        labels = labels.to(d.device)
+        sums[0] += F.cross_entropy(logits, labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
         sums[2] += len(labels)
-    dist.all_reduce(sums)  # every rank calls this once, whatever its number of batches
-    loss_sum, correct, count = sums.tolist()
-    return {"loss": loss_sum / max(count, 1), "acc": correct / max(count, 1), "n": int(count)}
+    return all_reduce_metrics(sums)  # every rank, whatever its number of batches
 
 
-def describe(train: dict, val: dict | None) -> str:
-    line = f"train loss {train['loss']:.4f} acc {100 * train['acc']:.1f}%"
-    if val:
-        line += f" | val loss {val['loss']:.4f} acc {100 * val['acc']:.1f}% on {val['n']} images"
-    return line
-
-
-# ---- checks and the summary ---------------------------------------------------------------
-def verify_replicas_identical(model: nn.Module, d: Dist) -> str:
+def verify_replicas_identical(model, d):
     """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
-    flat = torch.cat([t.detach().reshape(-1).double().cpu() for t in model.state_dict().values()])
-    digest = hashlib.sha256(flat.numpy().tobytes()).hexdigest()
+    tensors = model.state_dict().values()
+    sha = hashlib.sha256()
+    for t in tensors:
+        sha.update(t.cpu().numpy().tobytes())
+    digest = sha.hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)
-    differ = f"ranks hold different parameters or buffers: sha256 {[h[:12] for h in digests]}"
-    check(len(set(digests)) == 1, "identical replicas", differ)
-    values = f"{flat.numel():,} values, sha256 {digest[:16]}"
-    return f"{d.world_size} rank(s) hold identical parameters and buffers ({values})"
+    check(len(set(digests)) == 1, "identical replicas", f"sha256 by rank: {digests}")
+    return (
+        f"{d.world_size} rank(s) hold identical parameters and buffers "
+        f"({sum(t.numel() for t in tensors):,} values, sha256 {digest[:16]})"
+    )
 
 
-def summary(history: list, state: TrainState, d: Dist) -> str:
-    """Speed over the timed part of every epoch (from its step 2: step 1 pays one-off costs),
-    and the training loss from the first epoch to the last."""
-    images = sum(train["images"] for train, _ in history)
-    seconds = sum(train["seconds"] for train, _ in history)
-    speed = f"{images / seconds:.1f} img/s" if images else "n/a"  # one step per epoch: untimed
-    loss = f"train loss {history[0][0]['loss']:.4f} -> {history[-1][0]['loss']:.4f}"
-    return f"summary: {state.step} steps, {speed} on {d.world_size} rank(s); {loss}"
+def rank0_writes(path, save, d):
+    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
+    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
+    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
+    error = [None]
+    if d.rank == 0:
+        buffer = io.BytesIO()
+        save(buffer)  # into memory first: torch.save's own failed write names no cause
+        try:
+            write_atomic(path, buffer.getvalue())
+        except OSError as e:  # a full disk, say: name the file, not a traceback
+            error = [f"cannot write {path}: {e.strerror}"]
+    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
+    if error[0]:
+        raise SetupError(error[0])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    run = re.search(r"Run\n.*?(?:\n\n|$)", __doc__, re.S)[0]  # --help ends with the Run block
-    parser = argparse.ArgumentParser(description=__doc__.replace(run, ""), epilog=run)
-    parser.formatter_class = argparse.RawDescriptionHelpFormatter  # the docstring as written
+def write_atomic(path, data):
+    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it visible
+        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing is left
 
-    def add(group, name: str, what: str, **how) -> None:  # the help states a default once
-        if how.get("default") is not None:
-            what += " (default: %(default)s)"
-        group.add_argument(name, help=what, **how)
 
-    m = parser.add_argument_group("model")
-    models = sorted(torchvision.models.list_models(module=torchvision.models))
-    add(m, "--arch", "any torchvision classifier", default="resnet18", choices=models, metavar="A")
-    add(m, "--norm", "group: GroupNorm, resnet family", default="batch", choices=["batch", "group"])
-    add(m, "--sync-bn", "BatchNorm over the global batch (GPUs)", action="store_true")
-    add(m, "--unused-layer", "a layer forward never calls", action="store_true")
-    g = parser.add_argument_group("data (default: synthetic images, made in memory)")
-    add(g, "--data", "an ImageFolder tree: DIR/train, DIR/val", type=Path, metavar="DIR")
-    add(g, "--train-size", "synthetic training images", type=number(int, 1), default=4096)
-    add(g, "--val-size", "synthetic validation images, 0: none", type=number(int, 0), default=1024)
-    add(g, "--num-classes", "synthetic classes", type=number(int, 2), default=10)
-    add(g, "--image-size", "image side in pixels", type=number(int, 1), default=32)
-    auto = "(default: 0 on CPU, else the cores, up to 8)"
-    add(g, "--workers", f"DataLoader workers per process {auto}", type=number(int, 0))
-    t = parser.add_argument_group("training")
-    add(t, "--epochs", "passes over the data", type=number(int, 1), default=3)
-    add(t, "--batch-size", "images per micro-batch, per process", type=number(int, 1), default=128)
-    add(t, "--accum-steps", "micro-batches per step, under no_sync", type=number(int, 1), default=1)
-    add(t, "--lr", "the one-cycle schedule's peak", type=number(float, 0), default=0.05)
-    add(t, "--weight-decay", "SGD's", type=number(float, 0), default=5e-4)
-    add(t, "--amp", "autocast; fp16 needs CUDA", default="none", choices=["none", *AMP_DTYPES])
-    add(t, "--float64", "for sharp equivalence checks (slow)", action="store_true")
-    what = "model.compile() before DDP, with this backend (left out: inductor)"
-    add(t, "--compile", what, nargs="?", const="inductor", metavar="BACKEND")
-    add(t, "--seed", "seeds weights and data", type=number(int, 0), default=0)
-    add(t, "--log-every", "steps between progress lines", type=number(int, 1), default=10)
-    add(t, "--save-model", "rank 0 saves the weights there", type=output_file, metavar="PATH")
+def build_parser():
+    # --help shows the docstring as written, its Run block first
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    positive = number(int, 1)  # argparse types: an int >= 1, an int >= 0
+    count = number(int, 0)
+    parser.add_argument(
+        "--arch",
+        default="resnet18",
+        choices=torchvision.models.list_models(module=torchvision.models),
+        metavar="A",
+        help="any torchvision classifier (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--norm",
+        default="batch",
+        choices=["batch", "group"],
+        help="group: GroupNorm, resnet family (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs)"
+    )
+    parser.add_argument("--unused-layer", action="store_true", help="a layer forward never calls")
+    parser.add_argument(
+        "--data",
+        type=Path,
+        metavar="DIR",
+        help="an ImageFolder tree DIR/{train,val}/CLASS/IMAGE; without it, synthetic images",
+    )
+    parser.add_argument(
+        "--train-size",
+        type=positive,
+        default=4096,
+        help="synthetic training images (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--val-size",
+        type=count,
+        default=1024,
+        help="synthetic validation images (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--image-size",
+        type=positive,
+        default=32,
+        help="image side in pixels (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--workers",
+        type=count,
+        help="DataLoader workers per process (default: 0 on CPU, else its cores, up to 8)",
+    )
+    parser.add_argument(
+        "--epochs", type=positive, default=3, help="passes over the data (default: %(default)s)"
+    )
+    parser.add_argument(
+        "--batch-size",
+        type=positive,
+        default=128,
+        help="images per micro-batch, per process (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--accum-steps",
+        type=positive,
+        default=1,
+        help="micro-batches per step, under no_sync (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--lr",
+        type=number(float, 0),
+        default=0.05,
+        help="the one-cycle schedule's peak (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--amp",
+        choices=AMP_DTYPES,
+        help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
+    )
+    parser.add_argument(
+        "--float64", action="store_true", help="for sharp equivalence checks (slow)"
+    )
+    parser.add_argument(
+        "--compile", metavar="BACKEND", help="model.compile(backend=BACKEND) before DDP"
+    )
+    parser.add_argument(
+        "--log-every",
+        type=positive,
+        default=10,
+        help="steps between progress lines (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there"
+    )
     k = parser.add_argument_group("DDP knobs")
-    add(k, "--bucket-cap-mb", "size of the all-reduce buckets", type=number(float, 0), default=25.0)
-    add(k, "--find-unused-parameters", "for parameters that get no gradient", action="store_true")
-    add(k, "--static-graph", "the same parameters are used every step", action="store_true")
-    add(k, "--gradient-as-bucket-view", "gradients live in the buckets", action="store_true")
+    k.add_argument(
+        "--bucket-cap-mb",
+        type=number(float, 0),
+        help="size of the all-reduce buckets, in MB (default: DDP's, 25)",
+    )
+    k.add_argument(
+        "--find-unused-parameters", action="store_true", help="for parameters that get no gradient"
+    )
+    k.add_argument(
+        "--static-graph", action="store_true", help="the same parameters are used every step"
+    )
+    k.add_argument(
+        "--gradient-as-bucket-view", action="store_true", help="gradients live in the buckets"
+    )
     add_launch_args(parser)
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.amp == "fp16" and not torch.cuda.is_available():
-        parser.error("--amp fp16 needs CUDA (float16 autocast, GradScaler); on CPU use bf16")
-    if args.sync_bn and not torch.cuda.is_available():
-        parser.error("--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group")
-    if args.data and not all((args.data / split).is_dir() for split in ("train", "val")):
-        folders = f"{args.data}/train and {args.data}/val, one sub-folder per class"
-        parser.error(f"--data {args.data}: expected folders {folders}")
-    # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
-    detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and torch.__version__ >= (2, 14)
-    if detail and not torch.cuda.is_available():
-        v = torch.__version__  # TorchVersion: compared as numbers above
-        parser.error(f"TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in torch {v}: use INFO")
-    if args.float64 and args.amp != "none":
-        parser.error("--float64 and --amp pick opposite precisions; use one")
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     args.dtype = torch.float64 if args.float64 else torch.float32
     return args
+
+
+def output_file(text):
+    """An argparse type for a file the job writes: not a folder, and in a folder it can
+    create files in (write and search permission), so that a bad path ends the run before
+    any work is done."""
+    path = Path(text)
+    if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
+    return path
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -496,53 +535,10 @@ def number(cast, low, high=2**32):
     return parse
 
 
-def output_file(text):
-    """An argparse type for a file the job writes: its folder is made now and must be
-    writable, so that a bad path ends the run before any work is done."""
-    path = Path(text)
-    with contextlib.suppress(OSError):  # a file in the way, say: named below
-        path.parent.mkdir(parents=True, exist_ok=True)
-    if path.is_dir() or not (path.parent.is_dir() and os.access(path.parent, os.W_OK)):
-        raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
-    return path
-
-
-def rank0_writes(path, save, d):
-    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
-    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
-    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)
-        try:
-            write_atomic(path, buffer.getvalue())
-        except SetupError as e:
-            error = [str(e)]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
-def write_atomic(path, data):
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: name the file, not a traceback
-        tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
-
-
 def add_launch_args(parser):
     if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
         parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
-    g = parser.add_argument_group("launch (NCCL when CUDA GPUs are visible, else Gloo)")
-    g.add_argument(
+    parser.add_argument(
         "--spawn",
         nargs="?",
         const=0,
@@ -550,7 +546,7 @@ def add_launch_args(parser):
         metavar="N",
         help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
     )
-    g.add_argument(
+    parser.add_argument(
         "--timeout",
         type=number(float, 0.1, 1e6),
         default=300.0,
@@ -562,14 +558,16 @@ def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
+    n = 1  # no launcher and no --spawn: a world of one, through the same code path
+    if args.spawn is not None:  # --spawn N; N left out or 0: one per GPU, else 2
+        n = args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
     # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:  # no launcher: a world of one, through the same code path
+    if args.spawn is None:
         run_rank(0, main, args)
     try:
         mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
@@ -635,28 +633,31 @@ def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
     names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     env = [os.environ.get(name, "") for name in names]
-    rank, world, local_rank, local_world = (int(v) if v.isdigit() else -1 for v in env)
+    values = [int(v) if v.isdigit() else -1 for v in env]  # missing or not a number: -1
+    rank, world, local_rank, local_world = values
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"{', '.join(names)} are {env}: invalid")
     device = bind_device(local_rank, local_world, gloo)
+    cuda = device.type == "cuda"
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
     joining = concurrent.futures.ThreadPoolExecutor(1).submit(
         dist.init_process_group,
-        "nccl" if device.type == "cuda" else "gloo",
+        "nccl" if cuda else "gloo",
         store=store,
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if device.type == "cuda" else None,
+        device_id=device if cuda else None,
     )
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
         joining.result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(f"not all of {world} ranks joined within {timeout:g}s ({where})") from None
+        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        raise SetupError(late) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
@@ -667,10 +668,10 @@ def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
     mine = affinity(0)  # the cores this process may run on
-    # fewer than its parent's: a launcher bound it alone (srun --cpus-per-task=N), all its own;
-    # else (torchrun, mp.spawn) the node's processes share them
-    alone = mine < affinity(os.getppid())
-    torch.set_num_threads(len(mine) if alone else max(1, len(mine) // local_world))
+    if mine < affinity(os.getppid()):  # fewer than its parent's: a launcher bound it alone
+        torch.set_num_threads(len(mine))  # (srun --cpus-per-task=N): all of them are its own
+    else:  # torchrun, mp.spawn: the node's processes share them
+        torch.set_num_threads(max(1, len(mine) // local_world))
     if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()

@@ -290,8 +290,8 @@ def rank0_writes(path, save, d):
         save(buffer)  # into memory first: torch.save's own failed write names no cause
         try:
             write_atomic(path, buffer.getvalue())
-        except SetupError as e:
-            error = [str(e)]
+        except OSError as e:  # a full disk, say: name the file, not a traceback
+            error = [f"cannot write {path}: {e.strerror}"]
     dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
     if error[0]:
         raise SetupError(error[0])
@@ -306,9 +306,8 @@ def write_atomic(path, data):
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
         os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
-    except OSError as e:  # a full disk, say: name the file, not a traceback
-        tmp.unlink(missing_ok=True)
-        raise SetupError(f"cannot write {path}: {e.strerror}") from e
+    finally:
+        tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing is left
 
 
 def build_parser():
@@ -396,12 +395,10 @@ def parse_args(argv=None):
 
 
 def output_file(text):
-    """An argparse type for a file the job writes: its folder is made now and must be one we
-    can create files in (write and search permission), so that a bad path ends the run
-    before any work is done."""
+    """An argparse type for a file the job writes: not a folder, and in a folder it can
+    create files in (write and search permission), so that a bad path ends the run before
+    any work is done."""
     path = Path(text)
-    with contextlib.suppress(OSError):  # a file in the way, say: refused below
-        path.parent.mkdir(parents=True, exist_ok=True)
     if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
     return path

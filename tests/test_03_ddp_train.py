@@ -2,18 +2,16 @@
 
 from __future__ import annotations
 
-import os
 import re
-import signal
 
 import numpy as np
 import pytest
 import torch
 
-from launch import Watched, forked, load_script, run
+from launch import forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
-SUMMARY = re.compile(r"^summary: \d+ steps, .*; train loss ([\d.]+) -> ([\d.]+)$", re.M)
+SUMMARY = re.compile(r"^summary: \d+ steps, [\d.]+ img/s.*\ntrain loss ([\d.]+) -> ([\d.]+)$", re.M)
 EPOCH = re.compile(r"^epoch \d+ done: train loss ([\d.]+) acc ([\d.]+)%", re.M)
 VERIFIED = re.compile(
     r"^verified: (\d+) rank\(s\) hold identical parameters and buffers "
@@ -64,13 +62,13 @@ def assert_trained(stdout: str, ranks: int) -> None:
     verified = VERIFIED.search(stdout)
     assert verified and int(verified[1]) == ranks, stdout
     assert stdout.strip().splitlines()[-1].startswith("verified:")
-    assert re.search(r"step\s+3/12\s+loss [\d.]+\s+acc\s+[\d.]+%\s+lr [\d.]+$", stdout, re.M)
+    assert re.search(r"^epoch 1  step\s+3/12\s+loss [\d.]+\s+acc\s+[\d.]+%$", stdout, re.M)
 
 
 def test_default_training_under_torchrun_learns_and_replicas_match():
     r = run(SCRIPT, *SHORT, launcher="torchrun", nproc=2).ok()
     assert "on 2 x cpu (gloo)" in r.stdout
-    assert "global batch 64 = 2 ranks x 32 x 1 accum; 12 steps" in r.stdout
+    assert "12 steps of 32 images x 1 accum per rank" in r.stdout
     assert_trained(r.stdout, 2)
     val = re.findall(r"val loss [\d.]+ acc ([\d.]+)% on 128 images", r.stdout)
     assert len(val) == 2  # every validation image counted once, across both ranks
@@ -93,7 +91,7 @@ def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, image
         nproc=nproc,
     ).ok()
     assert f"on {nproc} x cpu (gloo)" in r.stdout
-    assert f"global batch {32 * nproc} = {nproc} ranks x 32 x 1 accum; 2 steps" in r.stdout
+    assert "2 steps of 32 images x 1 accum per rank" in r.stdout
     assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
     assert int(VERIFIED.search(r.stdout)[1]) == nproc
 
@@ -191,8 +189,8 @@ def test_knob_combinations_train_like_one_process_with_the_whole_batch(name, mat
     nproc, accum, knobs = MATRIX[name]
     out, distributed = matrix[name]
     _, reference = matrix[f"ref{accum}"]
-    assert f"global batch {GLOBAL_BATCH * accum} = {nproc} ranks x" in out
-    assert f"{4 // accum} steps" in out
+    assert f"on {nproc} x cpu (gloo)" in out
+    assert f"{4 // accum} steps of {GLOBAL_BATCH // nproc} images x {accum} accum per rank" in out
     assert int(VERIFIED.search(out)[1]) == nproc  # the script's own replica check
     if UNUSED in knobs:  # no gradient, ever; the replica check covers it too
         assert distributed.pop("unused_layer.weight").shape == (8, 8)
@@ -252,7 +250,7 @@ def test_bf16_autocast_on_cpu_trains_and_replicas_match():
         nproc=2,
         env={"ONEDNN_MAX_CPU_ISA": "AVX2"},
     ).ok()
-    assert re.search(r"summary: 2 steps, .* train loss [\d.]+ -> [\d.]+", r.stdout)
+    assert re.search(r"^summary: 2 steps, ", r.stdout, re.M) and SUMMARY.search(r.stdout)
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
 
@@ -279,8 +277,7 @@ def test_image_folder_training(tmp_path):
         "60",
         nproc=2,
     ).ok()
-    assert "(11,177,538 params, 2 classes)" in r.stdout
-    assert "16 train / 6 val images" in r.stdout
+    assert "16 train / 6 val images, 2 classes" in r.stdout
     assert len(re.findall(r"on 6 images", r.stdout)) == 2
     assert int(VERIFIED.search(r.stdout)[1]) == 2
 
@@ -295,17 +292,9 @@ def test_train_and_val_with_different_classes_are_refused(tmp_path):
             Image.new("RGB", (8, 8), (9, 9, 9)).save(tmp_path / split / name / "0.png")
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", "8", "--timeout", "30").failed()
     assert (
-        f"[rank 0] error: --data {tmp_path}: val's classes ['a', 'c'] differ from train's "
-        f"['a', 'b', 'c']; their labels would not match"
+        f"[rank 0] error: --data {tmp_path}: train and val hold different class folders"
     ) in r.stderr, r
     assert "Traceback" not in r.stderr
-    r = forked(
-        "05_eval_gather.py", "--data", tmp_path, "--image-size", "8", "--timeout", "30"
-    ).failed()
-    assert (
-        f"[rank 0] error: --data {tmp_path}: the val folder's classes ['a', 'c'] differ "
-        f"from train's ['a', 'b', 'c']"
-    ) in r.stderr, r
 
 
 def test_unusable_data_is_a_clear_error(tmp_path):
@@ -314,21 +303,21 @@ def test_unusable_data_is_a_clear_error(tmp_path):
     for args, message in [
         (
             ["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
-            "each rank's 64 image(s) make 2 full batch(es) of 32; a step takes 4",
+            "each rank has 2 full batch(es) of 32 images; a step takes 4",
         ),
         (
             ["--train-size", "64", "--batch-size", "200000"],  # was "global batch 200000"
-            "each rank's 64 image(s) make 0 full batch(es) of 200000; a step takes 1",
+            "each rank has 0 full batch(es) of 200000 images; a step takes 1",
         ),
-        (["--train-size", "1"], "each rank's 1 image(s) make 0 full batch(es) of 128"),
-        (
-            ["--arch", "vit_b_16", "--image-size", "16"],  # was an AssertionError traceback
-            "--arch vit_b_16 cannot take 16 px images: Wrong image height! Expected 224 but "
-            "got 16!",
-        ),
+        (["--train-size", "1"], "each rank has 0 full batch(es) of 128 images"),
         (
             ["--data", tmp_path],
             f"--data {tmp_path}: Couldn't find any class folder in {tmp_path}/train",
+        ),
+        (
+            ["--data", "/nonexistent/imagenet"],
+            "--data /nonexistent/imagenet: [Errno 2] No such file or directory: "
+            "'/nonexistent/imagenet/train'",
         ),
     ]:
         r = forked(SCRIPT, *args, "--timeout", "30").failed()
@@ -340,44 +329,30 @@ def test_unusable_data_is_a_clear_error(tmp_path):
     "args, message",
     [
         (
-            ["--data", "/nonexistent/imagenet"],
-            "--data /nonexistent/imagenet: expected folders /nonexistent/imagenet/train and",
-        ),
-        (
             ["--save-model", "/proc/version/model.pt"],
-            "--save-model: cannot write /proc/version/model.pt: /proc/version: not a folder",
+            "--save-model: cannot write /proc/version/model.pt: not a file in a writable folder",
         ),
         (
             ["--save-model", "/proc/no/such/model.pt"],  # refused as root too, where os.access lies
-            "--save-model: cannot write /proc/no/such/model.pt: /proc/no: No such file or "
-            "directory",
+            "--save-model: cannot write /proc/no/such/model.pt: not a file in a writable folder",
         ),
-        (["--save-model", "/tmp"], "--save-model: cannot write /tmp: it is a folder"),
+        (
+            ["--save-model", "/tmp"],
+            "--save-model: cannot write /tmp: not a file in a writable folder",
+        ),
         (["--batch-size", "0"], "--batch-size: must be >= 1 and < 4294967296, got 0"),
         (["--accum-steps", "0"], "--accum-steps: must be >= 1 and < 4294967296, got 0"),
         (["--val-size", "-1"], "--val-size: must be >= 0 and < 4294967296, got -1"),
-        (["--num-classes", "1"], "--num-classes: must be >= 2 and < 4294967296, got 1"),  # was 100%
-        (["--seed", "-1"], "--seed: must be >= 0 and < 4294967296, got -1"),
-        (
-            ["--seed", str(2**64)],  # was an overflow traceback from torch.manual_seed
-            f"--seed: must be >= 0 and < 4294967296, got {2**64}",
-        ),
+        (["--image-size", "0"], "--image-size: must be >= 1 and < 4294967296, got 0"),
         (["--lr", "nan"], "--lr: must be >= 0 and < 4294967296, got nan"),
         (["--lr", "inf"], "--lr: must be >= 0 and < 4294967296, got inf"),  # trained to -inf
-        (["--weight-decay", "-1"], "--weight-decay: must be >= 0 and < 4294967296, got -1"),
-        (["--weight-decay", "nan"], "--weight-decay: must be >= 0 and < 4294967296, got nan"),
+        (["--lr", "-1"], "--lr: must be >= 0 and < 4294967296, got -1"),
         (["--bucket-cap-mb", "inf"], "--bucket-cap-mb: must be >= 0 and < 4294967296, got inf"),
         (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
-        (["--amp", "fp16"], "--amp fp16 needs CUDA"),
-        (
-            ["--sync-bn"],
-            "--sync-bn needs CUDA: SyncBatchNorm does not run on Gloo; try --norm group",
-        ),
+        (["--amp", "fp32"], "invalid choice: 'fp32' (choose from "),
     ],
 )
 def test_bad_arguments_are_usage_errors(args, message, capsys):
-    if torch.cuda.is_available() and args[0] in ("--amp", "--sync-bn"):
-        pytest.skip("CUDA is available here")
     with pytest.raises(SystemExit) as exit_:
         load_script(SCRIPT).parse_args(args)
     assert exit_.value.code == 2
@@ -407,8 +382,7 @@ def test_a_diverging_run_stops_before_it_saves_anything(tmp_path):
     assert r.returncode == 1, r
     for rank in (0, 1):
         assert re.search(
-            rf"^\[rank {rank}\] CHECK FAILED: finite loss: the loss is not finite at step \d+: "
-            rf"lower --lr$",
+            rf"^\[rank {rank}\] CHECK FAILED: finite loss: the loss is (nan|-?inf): lower --lr$",
             r.stderr,
             re.M,
         ), r
@@ -426,8 +400,8 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     ranks = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert ranks == [f"[rank {i}] error: cannot write {model}: File too large" for i in (0, 1)], r
     assert model.read_bytes() == b"an earlier run's weights"
-    # no temporary file left; the lock file beside it stays (see output_file)
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".model.pt.lock", "model.pt"]
+    # no temporary file left
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
@@ -454,7 +428,7 @@ def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has
     # skipped. Fused SGD would have made its momentum buffers with torch.empty_like and left
     # them unwritten (garbage, different per rank). The same fused path runs on CPU here.
     script = load_script(SCRIPT)
-    args = script.parse_args(["--lr", "0.1", "--weight-decay", "0"])
+    args = script.parse_args(["--lr", "0.1"])
     model = torch.nn.Linear(4, 2)
     optimizer = script.build_optimizer(model, args, fused=True)
     scaler = torch.amp.GradScaler("cpu")
@@ -465,28 +439,17 @@ def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has
     for p in model.parameters():
         assert torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p))
     # the next step starts from zero momentum: the buffer is exactly the first real gradient
+    # (plus weight decay), as a fresh optimizer's first step makes it
     before = [p.detach().clone() for p in model.parameters()]
     optimizer.zero_grad()
     scaler.scale(model(torch.ones(1, 4)).sum()).backward()
     scaler.step(optimizer)
+    decay = optimizer.defaults["weight_decay"]
     grads = [torch.ones(2, 4), torch.ones(2)]  # d(sum(W x + b))/dW, /db for x = ones
     for p, old, grad in zip(model.parameters(), before, grads):
-        assert torch.equal(optimizer.state[p]["momentum_buffer"], grad)
-        assert torch.allclose(p.detach(), old - 0.1 * grad)
-
-
-def test_debug_detail_on_gloo_is_refused_where_it_crashes_ddp():
-    # torch 2.14.1 and 2.15.0: DDP's constructor segfaults under DETAIL on Gloo (exit -11,
-    # no line); 2.4.1 trains. Refused at parse time where torch is affected, naming it.
-    r = run(SCRIPT, *TINY, env={"TORCH_DISTRIBUTED_DEBUG": "DETAIL"})
-    if torch.__version__ >= (2, 14):
-        assert r.returncode == 2, r
-        assert r.stderr.strip().splitlines()[-1] == (
-            f"03_ddp_train.py: error: TORCH_DISTRIBUTED_DEBUG=DETAIL crashes DDP on Gloo in "
-            f"torch {torch.__version__}: use INFO"
-        ), r
-    else:
-        assert r.ok().stdout.strip().splitlines()[-1].startswith("verified: 1 rank(s)"), r
+        first = grad + decay * old
+        assert torch.allclose(optimizer.state[p]["momentum_buffer"], first)
+        assert torch.allclose(p.detach(), old - 0.1 * first)
 
 
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
@@ -553,23 +516,3 @@ def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_pat
     assert [line[:8] for line in other] == [f"[rank {1 - int(file.fullmatch(named)[1])}]"], r
     assert other[0].endswith("] stopped by SIGTERM") or "by peer" in other[0], r
     assert "Traceback" not in r.stderr, r
-
-
-def test_a_second_job_writing_the_same_model_file_is_refused_at_start(tmp_path):
-    # Both printed "rank 0 saved them to same.pt" and the file held the second job's weights.
-    # Rank 0 (here the one process) holds a lock beside the file until the job ends.
-    model = tmp_path / "same.pt"
-    long = [*TINY[:-4], "--epochs", 1000, "--log-every", 1, "--timeout", 60]  # until stopped
-    first = Watched(SCRIPT, *long, "--save-model", model)
-    first.wait_for("step     1/")
-    second = run(SCRIPT, *TINY, "--save-model", model, launcher="spawn", nproc=2)
-    os.kill(first.proc.pid, signal.SIGTERM)
-    assert first.finish().returncode == 128 + signal.SIGTERM
-    assert second.returncode == 2, second
-    assert second.stderr.strip().splitlines()[-1] == (
-        f"03_ddp_train.py: error: argument --save-model: cannot write {model}: "
-        f"a running job writes it"
-    ), second
-    assert not model.exists()  # the second never started: its ranks wrote nothing
-    # once the first has ended, the file is free
-    assert forked(SCRIPT, *TINY, "--save-model", model).ok() and model.stat().st_size > 0
