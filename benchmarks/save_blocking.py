@@ -1,13 +1,13 @@
 """How long does a checkpoint save stop training? 04_checkpoint.py's save, inline against
 background, on 03's model (ResNet-18 and SGD's momentum: about 90 MB).
 
-  inline:      save() and then finish(): the training thread copies the state, serialises
+  inline:      save() and then writer.finish(): the training thread copies the state, serialises
                it, writes, syncs and renames it, and only then takes its next step
   background:  save() alone: the training thread copies the state to the CPU and starts a
-               thread that does the rest while training goes on (finish() is only waited
+               thread that does the rest while training goes on (writer.finish() is only waited
                for at the next save, long after)
 
-Both call 04's own Checkpoints in a one-process Gloo group on this machine, into a fresh
+Both call 04's own save() and Writer in a one-process Gloo group on this machine, into a fresh
 folder under --dir (default: a temporary one, on the disk a real job would use if you
 pass it). Also measured: training steps (batch --batch-size) while a background write
 runs, against the same steps without one, since the writing thread shares the CPU.
@@ -58,15 +58,15 @@ def main() -> None:
     dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(60))
     args = m.parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
     d = m.Dist(0, 1, torch.device("cpu"))
-    checkpoints = m.Checkpoints(args, d)
+    m.lock(folder)  # as rank 0 does at start: makes the folder, holds its lock
+    writer = m.Writer()
     model = m.build_model(args, 10)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9)
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, 1000)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    seen, sums = torch.zeros(4096, dtype=torch.int64), torch.zeros(3, dtype=torch.float64)
-    state = m.TrainState(model, optimizer, scheduler, scaler, seen=seen, sums=sums)
+    state = m.TrainState(model, optimizer, scheduler, scaler)
     images = torch.randn(options.batch_size, 3, 32, 32)
     labels = torch.randint(10, (options.batch_size,))
 
@@ -84,21 +84,21 @@ def main() -> None:
 
     for _ in range(3):  # warm-up: allocator, first writes
         step()
-    checkpoints.save(state, "warm-up")
-    checkpoints.finish()
+    m.save(state, writer, args, d)
+    writer.finish()
     inline, background, busy, quiet = [], [], [], []
     for _ in range(options.repeats):
         step()
-        inline.append(timed(lambda: (checkpoints.save(state, "inline"), checkpoints.finish())))
+        inline.append(timed(lambda: (m.save(state, writer, args, d), writer.finish())))
         step()
-        background.append(timed(lambda: checkpoints.save(state, "background")))
+        background.append(timed(lambda: m.save(state, writer, args, d)))
         steps = 0
         started = time.perf_counter()
-        while checkpoints.writer.is_alive():  # training goes on while the thread writes
+        while writer.thread.is_alive():  # training goes on while the thread writes
             step()
             steps += 1
         busy.append((time.perf_counter() - started) / max(steps, 1))
-        checkpoints.finish()
+        writer.finish()
         quiet.append(statistics.median(timed(step) for _ in range(3)))
     size = max(folder.glob("step-*.pt")).stat().st_size / 1e6
     inline_s, background_s = statistics.median(inline), statistics.median(background)

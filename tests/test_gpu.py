@@ -4,7 +4,7 @@
 
 Without CUDA these tests are collected and skipped. With one GPU, world size 1 still runs
 NCCL's eager init with device_id, device placement, fp16 autocast with GradScaler, pinned
-memory, CUDA RNG save and restore, and checkpoint loading (SyncBatchNorm needs two: on one
+memory, per-step CUDA seeding on resume, and checkpoint loading (SyncBatchNorm needs two: on one
 it falls back to plain batch_norm, torch/nn/modules/batchnorm.py); with two or more, the
 equivalence, resume and evaluation properties run at world size 2. Each test's data grows
 with the GPU count W, so it asserts the same thing at 1, 2, 4 and 8 GPUs (counts in the
@@ -148,12 +148,13 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl():
 
 
 def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
-    # cuDNN runs deterministically in 04 on GPUs; the GradScaler's state and the CUDA RNG
-    # (dropout) are in the checkpoint and come back on the GPU each rank owns. Bitwise resume
+    # cuDNN runs deterministically in 04 on GPUs; the GradScaler's state is in the checkpoint
+    # and comes back on the GPU each rank owns; each step's CUDA random numbers (dropout) are
+    # seeded from the rank and the step. Bitwise resume
     # holds at 1 or 2 processes (with 3 or more, DDP's first backward rounds differently), so
     # P = min(W, 2): 512 images in batches of 32 per process are 16 / P steps per epoch, 32
     # or 16 in all; the failure at step 7 comes after the save at step 6, mid-epoch on both
-    # (the sampler's position, the epoch's sums and the RNG states resume, not only weights).
+    # (the sampler's position and the scaler resume, and the random numbers are drawn again).
     nproc = min(GPUS, 2)
     args = ("--amp", "fp16", "--train-size", 512, "--batch-size", 32, "--epochs", 2)
     args += ("--save-every", 3)
