@@ -11,9 +11,12 @@ Run
 
 The main job. Every process holds a replica of the model and trains on its own shard of
 each global batch; DDP averages the gradients during backward, so the replicas stay equal
-and N processes with batch b train exactly like one process with batch N*b (checked: every
-rank ends with identical parameters and buffers). Global batch = world size x --batch-size
-x --accum-steps; --lr is used as given: to train the same, keep the global batch.
+(checked at the end: every rank holds the same parameters) and N processes with batch b
+take the steps one process with batch N*b would. Exactly so where nothing depends on how
+the batch is split: BatchNorm normalises each rank's shard (--norm group does not), and
+each rank draws its own dropout masks; the tests check the equivalence to 1e-9 with
+--norm group in float64. Global batch = world size x --batch-size x --accum-steps; --lr is
+used as given: to train the same, keep the global batch.
 Your own model and data: replace build_model() and build_datasets(); nothing else depends
 on their shapes. torch.compile: --compile calls model.compile() before DDP(model); the
 first step waits for the slowest rank's compile, so give --timeout room for it. Needs
@@ -58,12 +61,13 @@ def main(args):
     d = setup(args.timeout)
     cuda = d.device.type == "cuda"
     # GPUs: cuDNN times its algorithms once per input shape and keeps the fastest; training's
-    # shapes never change (drop_last). 04 leaves it off: its resumed run must pick the same.
+    # shapes never change (drop_last). 04 leaves it off: a bitwise resume needs the same
+    # algorithms as the run it resumes.
     torch.backends.cudnn.benchmark = cuda
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
-    if not steps_per_epoch:  # full batches only: a last batch of one image fails BatchNorm
+    if not steps_per_epoch:  # too few images for one step on each rank
         raise SetupError(
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
@@ -93,10 +97,13 @@ def main(args):
     losses = []
     while state.epoch < args.epochs:
         train_loader.sampler.set_epoch(state.epoch)  # same seed + epoch on every rank: one order
-        train_loader.dataset.epoch = state.epoch  # and new augmentations, wherever drawn
+        # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
+        train_loader.dataset.epoch = state.epoch
         loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d)
         losses.append(loss)
-        # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
+        # DDP copies rank 0's buffers to the others only at the start of each forward, so
+        # after the last one each rank's BatchNorm statistics differ: rank 0's on every rank,
+        # so that all evaluate the model rank 0 saves
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
@@ -107,7 +114,7 @@ def main(args):
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if args.save_model:  # the plain model: keys without "module."
+    if args.save_model:  # the plain model (keys without "module."); the others hear the outcome
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
         # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
@@ -177,7 +184,8 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # --workers left out: on CPU none (the cores train), on GPUs this process's cores (up to 8)
+    # --workers left out: on CPU none (the cores train), on GPUs this process's share of the
+    # cores (setup() gave torch's threads that share), up to 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -236,9 +244,10 @@ def build_optimizer(model, args, fused):
     needs no .item()."""
     optimizer = torch.optim.SGD(
         model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4, fused=fused
-    )
-    # Momentum buffers made now, as zeros: fused SGD makes missing ones with torch.empty_like
-    # and keeps them unwritten if the first step is skipped (fp16 overflow): see NOTES.md
+    )  # (OneCycleLR, in main, cycles the momentum between 0.85 and 0.95)
+    # A workaround for a PyTorch bug, not DDP: fused SGD makes missing momentum buffers with
+    # torch.empty_like and leaves them unwritten if the first step is skipped (an fp16
+    # overflow), so ranks start from garbage. Made now, as zeros: see NOTES.md
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     return optimizer
@@ -271,7 +280,9 @@ def train_one_epoch(model, loader, state, args, d):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. (static_graph: the first backward syncs; see NOTES.md)
+            # all-reduces their sum. static_graph's first backward must sync (inside no_sync
+            # it fails an assertion, pytorch#143580); the extra sync is exact: every rank
+            # then holds the same average.
             sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -295,7 +306,8 @@ def train_one_epoch(model, loader, state, args, d):
                 progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
                 say(f"epoch {state.epoch + 1}  {progress}  loss {so_far:.4f}  acc {acc:6.1%}")
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
-    return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
+    # all ranks' images per second (the .tolist() above waited for the GPU)
+    return loss, acc, images / (time.perf_counter() - started)
 
 
 def all_reduce_metrics(sums):
@@ -325,7 +337,9 @@ def evaluate(model, loader, args, d):
 
 
 def verify_replicas_identical(model, d):
-    """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
+    """Every rank holds the same parameters and buffers: their sha256, compared across ranks.
+    (The buffers are rank 0's since the broadcast before validation; the parameters are what
+    DDP keeps equal.)"""
     tensors = model.state_dict().values()
     sha = hashlib.sha256()
     for t in tensors:

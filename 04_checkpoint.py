@@ -20,7 +20,7 @@ The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read i
   come from the rank and the step. So the weights end bit for bit those of an
   uninterrupted run with the same processes (GPUs too: cuDNN and cuBLAS are set to be
   deterministic). On another world size the data position is exact and the schedule is
-  stretched to the steps left.
+  rebuilt for the steps left (the learning rate moves to where that schedule is).
 - SIGTERM (what SLURM and Kubernetes send before a kill, and torchrun forwards) or SIGUSR1
   (sbatch --signal): every rank finishes its step, all agree on the step to stop at, rank 0
   saves, and each rank ends with exit code 128 + the signal, for the scheduler to retry.
@@ -84,7 +84,7 @@ def main(args):
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
-    if not steps_per_epoch:  # full batches only: a last batch of one image fails BatchNorm
+    if not steps_per_epoch:  # too few images for one step on each rank
         raise SetupError(
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
@@ -116,8 +116,9 @@ def main(args):
         say(f"{total_steps} steps of {args.batch_size} images x {args.accum_steps} accum per rank")
 
     def after_step(last):
-        """Every rank, after each step: --simulate-failure; then, but after an epoch's last
-        step (main saves there), a save every --save-every steps, and a stop when agreed."""
+        """Every rank, after each step: --simulate-failure first. Then a save every
+        --save-every steps, and a stop if any rank was asked to; both skipped after an
+        epoch's last step, where main saves once it has evaluated."""
         last_rank = d.rank == d.world_size - 1
         if args.simulate_failure == state.step and last_rank and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
@@ -136,10 +137,13 @@ def main(args):
     losses = []
     while state.epoch < args.epochs:
         train_loader.sampler.set_position(state.epoch, state.position)  # its order, from there
-        train_loader.dataset.epoch = state.epoch  # and new augmentations, wherever drawn
+        # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
+        train_loader.dataset.epoch = state.epoch
         loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, after_step)
         losses.append(loss)
-        # rank 0's BatchNorm statistics on every rank: all evaluate the model rank 0 saves
+        # DDP copies rank 0's buffers to the others only at the start of each forward, so
+        # after the last one each rank's BatchNorm statistics differ: rank 0's on every rank,
+        # so that all evaluate the model rank 0 saves
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
@@ -153,7 +157,7 @@ def main(args):
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if args.save_model:  # the plain model: keys without "module."
+    if args.save_model:  # the plain model (keys without "module."); the others hear the outcome
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0 and not losses:  # a finished run, started again
         say(f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir")
@@ -226,7 +230,8 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # --workers left out: on CPU none (the cores train), on GPUs this process's cores (up to 8)
+    # --workers left out: on CPU none (the cores train), on GPUs this process's share of the
+    # cores (setup() gave torch's threads that share), up to 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -310,9 +315,10 @@ def build_optimizer(model, args, fused):
     needs no .item()."""
     optimizer = torch.optim.SGD(
         model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4, fused=fused
-    )
-    # Momentum buffers made now, as zeros: fused SGD makes missing ones with torch.empty_like
-    # and keeps them unwritten if the first step is skipped (fp16 overflow): see NOTES.md
+    )  # (OneCycleLR, in main, cycles the momentum between 0.85 and 0.95)
+    # A workaround for a PyTorch bug, not DDP: fused SGD makes missing momentum buffers with
+    # torch.empty_like and leaves them unwritten if the first step is skipped (an fp16
+    # overflow), so ranks start from garbage. Made now, as zeros: see NOTES.md
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     return optimizer
@@ -370,7 +376,9 @@ def train_one_epoch(model, loader, state, args, d, hook):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. (static_graph: the first backward syncs; see NOTES.md)
+            # all-reduces their sum. static_graph's first backward must sync (inside no_sync
+            # it fails an assertion, pytorch#143580); the extra sync is exact: every rank
+            # then holds the same average.
             sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -396,7 +404,8 @@ def train_one_epoch(model, loader, state, args, d, hook):
                 progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
                 say(f"epoch {state.epoch + 1}  {progress}  loss {so_far:.4f}  acc {acc:6.1%}")
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
-    return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
+    # all ranks' images per second (the .tolist() above waited for the GPU)
+    return loss, acc, images / (time.perf_counter() - started)
 
 
 def all_reduce_metrics(sums):
@@ -426,7 +435,9 @@ def evaluate(model, loader, args, d):
 
 
 def verify_replicas_identical(model, d):
-    """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
+    """Every rank holds the same parameters and buffers: their sha256, compared across ranks.
+    (The buffers are rank 0's since the broadcast before validation; the parameters are what
+    DDP keeps equal.)"""
     tensors = model.state_dict().values()
     sha = hashlib.sha256()
     for t in tensors:
@@ -486,7 +497,7 @@ def choose_checkpoint(folder, d):
         try:
             lock(folder)
             choice[0] = newest_readable(folder)
-        except SetupError as e:
+        except (SetupError, OSError) as e:  # every rank must hear it, or the others wait
             choice[1] = str(e)
     dist.broadcast_object_list(choice, src=0)
     if choice[1]:
@@ -576,7 +587,7 @@ def marker(path):
 def resume(state, path, args, d, sampler, steps_per_epoch):
     """Every rank: the checkpoint rank 0 chose, loaded into the training state. On the same
     world size the run goes on bit for bit; on another, from the same place in the data, with
-    the schedule stretched to the steps left."""
+    the one-cycle schedule rebuilt for the steps left."""
     saved = read_checkpoint(path)  # every rank reads it: the folder is on shared storage
     check_settings(saved["args"], path, args)
     try:
@@ -637,10 +648,13 @@ def save(state, writer, args, d):
 
 
 def cpu_copy(value):
-    """A state_dict (dicts of tensors and numbers) with every tensor copied to the CPU: the
-    writer's own, which training cannot change under it (a copy even of a CPU tensor)."""
+    """A state_dict (dicts and lists of tensors and numbers) with every tensor copied to the
+    CPU: the writer's own, which training cannot change under it (a copy even of a CPU
+    tensor)."""
     if isinstance(value, dict):
         return {k: cpu_copy(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):  # LBFGS keeps lists of tensors, say
+        return type(value)(cpu_copy(v) for v in value)
     if isinstance(value, torch.Tensor):
         return value.to("cpu", copy=True)
     return value
