@@ -124,8 +124,8 @@ def main(args):
 
 def build_dataset(args):
     """03's validation set and its number of classes."""
-    if not args.data:  # the same --val-size, --image-size and --seed give the same images
-        return synthetic_images(args.val_size, args.image_size, args.seed, split=1), 10
+    if not args.data:  # 03's validation images: the same --val-size and --image-size
+        return synthetic_images(args.val_size, args.image_size, split=1), 10
     T = torchvision.transforms
     # 03's validation transform: a centre crop, ImageNet's mean and std
     normalize = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
@@ -163,12 +163,12 @@ def load_image(path):
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
-def synthetic_images(count, size, seed, split):
+def synthetic_images(count, size, split):
     """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
     plus noise; split 0 (train) and 1 (val) draw different images of the same classes."""
-    patterns = torch.randn(10, 3, 8, 8, generator=torch.Generator().manual_seed(seed))
-    patterns = F.interpolate(patterns, size=size, mode="bilinear")
-    g = torch.Generator().manual_seed(seed + 1 + split)
+    g = torch.Generator().manual_seed(0)
+    patterns = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=size, mode="bilinear")
+    g.manual_seed(1 + split)
     labels = torch.randint(10, (count,), generator=g)
     noise = torch.randn(count, 3, size, size, generator=g)
     return TensorDataset(patterns[labels] + 1.5 * noise, labels)
@@ -178,7 +178,7 @@ def build_model(args, num_classes, device):
     kwargs = {}
     if args.norm == "group":  # as 03 --norm group builds it
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
-    torch.manual_seed(args.seed)  # without --checkpoint: a fixed, seeded model
+    torch.manual_seed(0)  # without --checkpoint: a fixed, seeded model
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.checkpoint:
         model.load_state_dict(read_weights(args.checkpoint, model, args.arch))
@@ -359,12 +359,6 @@ def build_parser():
         type=number(int, 0),
         default=0,
         help="DataLoader workers per rank (default: %(default)s)",
-    )
-    parser.add_argument(
-        "--seed",
-        type=number(int, 0),
-        default=0,
-        help="seeds the synthetic images (as 03's) and the model (default: %(default)s)",
     )
     parser.add_argument(
         "--verify", action="store_true", help="every rank also evaluates the whole set alone"

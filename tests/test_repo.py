@@ -51,6 +51,7 @@ MAX_PARAMETERS = 6
 SHARED_HELPERS = (
     "image_folder",
     "load_image",
+    "synthetic_images",
     "output_file",
     "rank0_writes",
     "write_atomic",
