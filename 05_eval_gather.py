@@ -127,13 +127,10 @@ def build_dataset(args):
     if not args.data:  # 03's validation images: the same --val-size and --image-size
         return synthetic_images(args.val_size, args.image_size, split=1), 10
     T = torchvision.transforms
-    # 03's validation transform: a centre crop, ImageNet's mean and std
-    normalize = T.Normalize([0.485, 0.456, 0.406], [0.229, 0.224, 0.225])
-    resize = T.Resize(round(args.image_size * 256 / 224))
-    val_set = image_folder(
-        args.data / "val",
-        T.Compose([resize, T.CenterCrop(args.image_size), T.ToTensor(), normalize]),
-    )
+    size = args.image_size
+    # 03's validation transform: a centre crop, 224 of 256
+    centre = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor()])
+    val_set = image_folder(args.data / "val", centre)
     return val_set, len(val_set.classes)
 
 

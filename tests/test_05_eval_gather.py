@@ -96,6 +96,24 @@ def test_checkpoint_from_03_scores_what_03_reported(tmp_path):
     )
 
 
+def test_a_03_model_trained_on_image_folders_scores_what_03_reported(tmp_path):
+    # 05 reads DIR/val with 03's validation transform: a model 03 trained on images is scored
+    # on the inputs 03 evaluated it on (05 once normalised them and 03 did not)
+    from test_03_ddp_train import image_tree
+
+    image_tree(tmp_path)  # 8 train and 8 val images of two classes
+    checkpoint = tmp_path / "model.pt"
+    common = ["--data", tmp_path, "--image-size", 16, "--timeout", 30]
+    trained = forked(
+        "03_ddp_train.py", *common, "--batch-size", 4, "--epochs", 1, "--save-model", checkpoint
+    ).ok()
+    reported = re.search(r"val loss ([\d.]+) acc ([\d.]+)% on 8 images", trained.stdout)
+    r = forked(SCRIPT, *common, "--checkpoint", checkpoint, nproc=2).ok()
+    mine = re.search(r"exact:  accuracy \d+/8 = ([\d.]+)%  loss ([\d.]+)", r.stdout)
+    assert float(mine[1]) == pytest.approx(float(reported[2]), abs=0.05), (trained, r)
+    assert float(mine[2]) == pytest.approx(float(reported[1]), abs=6e-5), (trained, r)
+
+
 def test_a_04_checkpoint_scores_what_04_reported(tmp_path):
     # 04 saves the whole training state; 05 takes the model out of it
     args = ["--image-size", 16, "--train-size", 96, "--val-size", 50, "--batch-size", 16]
