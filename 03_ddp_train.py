@@ -583,56 +583,78 @@ def launch(main, args):
     )
     if args.spawn is None:
         run_rank(0, main, args)
+    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
+
+    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
+    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
+    def forward(signum, frame):
+        for p in ranks.processes:
+            os.kill(p.pid, signum)
+
+    for sig in STOP_SIGNALS[1:]:
+        signal.signal(sig, forward)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        while not ranks.join():  # True once all have ended; raises when one has failed
+            pass
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
         sys.exit(128 + signal.SIGINT)
 
 
+# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
+# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
+    then the program's exit hooks and os._exit."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+    for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
         try:
             main(args)
+            code = 0
+            why = ""
         except CheckFailed as e:
-            end(1, f"CHECK FAILED: {e}")
+            code = 1
+            why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:  # expected: one line says why
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
-            end(1, "error: " + str(e).strip().rpartition("SetupError: ")[2])
+            code = 1
+            why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             # Raised in torch.distributed: a collective failed (a peer is gone, say), and
             # torch's message says so. Raised anywhere else: a bug, keep its traceback.
             where = traceback.extract_tb(e.__traceback__)[-1].filename
             if not where.startswith(os.path.dirname(dist.__file__)):
                 traceback.print_exc()
-            end(1, f"error: {type(e).__name__}: {e}")
-        end(0)
+            code = 1
+            why = f"error: {type(e).__name__}: {e}"
     # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
     # others, say) arrives while the rank is already ending on an error of its own
     except KeyboardInterrupt as e:
-        end(128 + signal.Signals[str(e)], f"stopped by {e}")
-
-
-def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def end(code, why=""):
-    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+        code = 128 + signal.Signals[str(e)]
+        why = f"stopped by {e}"
+    # The end, out of the except blocks: their exception held the frames it passed through,
+    # and what those held is released now (DataLoader workers end), before the exit hooks.
+    for sig in STOP_SIGNALS:  # ending already: a signal now could only garble the line
+        signal.signal(sig, signal.SIG_IGN)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+def stop(signum, frame):
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 class Dist(NamedTuple):

@@ -39,6 +39,7 @@ import datetime
 import fcntl
 import hashlib
 import io
+import itertools
 import math
 import os
 import signal
@@ -65,11 +66,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
 # setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
-# the options a resume must share with the run it resumes
-SHAPES_THE_RUN = (
-    "arch norm sync_bn unused_layer data train_size image_size epochs batch_size accum_steps "
-    "lr amp float64"
-).split()
+# the options a resume must share with the run it resumes (settings() adds what --data holds;
+# --epochs, --batch-size and --accum-steps may change: resume() rebuilds the schedule)
+SHAPES_THE_RUN = "arch norm sync_bn unused_layer train_size image_size lr amp float64".split()
 
 
 def main(args):
@@ -80,8 +79,10 @@ def main(args):
     d = setup(args.timeout, store=store)
     cuda = d.device.type == "cuda"
     preemption = Preemption(args.timeout)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
-    checkpoint = choose_checkpoint(args.checkpoint_dir, d)  # rank 0 locks the folder, picks
     train_set, val_set, num_classes = build_datasets(args)
+    # what a resume must share with the run it resumes; rank 0 checks it and saves it
+    shape = settings(args, train_set) if d.rank == 0 else None
+    checkpoint = choose_checkpoint(args.checkpoint_dir, shape, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
     if not steps_per_epoch:  # too few images for one step on each rank
@@ -115,22 +116,24 @@ def main(args):
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
         say(f"{total_steps} steps of {args.batch_size} images x {args.accum_steps} accum per rank")
 
-    def after_step(last):
-        """Every rank, after each step: --simulate-failure first. Then a save every
-        --save-every steps, and a stop if any rank was asked to; both skipped after an
-        epoch's last step, where main saves once it has evaluated."""
+    def after_step(last, due=False):
+        """Every rank, after each step and at each epoch's end: --simulate-failure first;
+        then a save every --save-every steps and at each epoch's end (due), and a stop if any
+        rank was asked to: saved first, then the folder marked preempted, for a scheduler.
+        An epoch's last step leaves both to the epoch's end, after validation."""
         last_rank = d.rank == d.world_size - 1
-        if args.simulate_failure == state.step and last_rank and not checkpoint:
+        if state.step == args.simulate_failure and last_rank and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
             return
-        stop = preemption.agreed()  # every rank, every step: a small CPU all-reduce
-        if stop or state.step % args.save_every == 0:
-            save(state, writer, args, d)
+        stop = preemption.agreed()  # every rank: a small CPU all-reduce
+        if stop or due or state.step % args.save_every == 0:
+            save(state, writer, args, d, shape)
         if stop:
             writer.finish()  # the save is on disk before this rank ends
             if d.rank == 0:
+                (args.checkpoint_dir / "preempted").touch()  # after the save: it is on disk
                 say(f"stopping on {stop} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
@@ -146,21 +149,23 @@ def main(args):
         # so that all evaluate the model rank 0 saves
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
+        # cut short once this rank is asked to stop: a scheduler's grace is often 30 s
+        val_batches = itertools.takewhile(lambda batch: not preemption.asked, val_loader)
+        val_loss, val_acc, val_count = evaluate(model, val_batches, args, d)
         if d.rank == 0:
             say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
             say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
         state.epoch += 1
         state.position = 0
-        save(state, writer, args, d)  # every rank, at the same step
+        after_step(last=False, due=True)  # every rank: a save (and a stop, if asked)
     writer.finish()  # every rank: the last write is on disk (or all stop on its error)
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
     if args.save_model:  # the plain model (keys without "module."); the others hear the outcome
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
-    if d.rank == 0 and not losses:  # a finished run, started again
-        say(f"nothing to do: --epochs {args.epochs} are done; use a new --checkpoint-dir")
+    if d.rank == 0 and not losses:  # its checkpoint was the run's last
+        say(f"the run had finished at step {state.step}: nothing to train")
     elif d.rank == 0:
         # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
         say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
@@ -243,14 +248,30 @@ def make_loaders(args, d, train_set, val_set):
         # epoch a new order, the same on every rank (seed + epoch)
         sampler=ResumableSampler(train_set),
         num_workers=workers,
+        worker_init_fn=quiet_worker,  # a stop is the rank's to make
         pin_memory=cuda,  # page-locked: copies to the GPU run async
         drop_last=True,  # full batches only: a batch of one image fails BatchNorm in training
     )
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
-    val_loader = DataLoader(val_shard, args.batch_size, num_workers=workers, pin_memory=cuda)
+    val_loader = DataLoader(
+        val_shard,
+        args.batch_size,
+        num_workers=workers,
+        worker_init_fn=quiet_worker,
+        pin_memory=cuda,
+    )
     return train_loader, val_loader
+
+
+def quiet_worker(worker_id):
+    """A DataLoader worker's first act (worker_init_fn): ignore the signals that stop a job.
+    SLURM, `timeout` and `kill -- -PGID` signal the whole process group: torch's workers died
+    at once, and their rank ended on "DataLoader worker ... killed" before it could save.
+    They end with their rank (each watches its parent)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class SeededAugmentation(Dataset):
@@ -456,47 +477,45 @@ def verify_replicas_identical(model, d):
 class Preemption:
     """A stop asked for by SIGTERM (what SLURM and Kubernetes send before a kill; torchrun
     forwards it), SIGUSR1 (sbatch --signal) or the launcher's death. A handler only sets a
-    flag (no collective may run inside one); the ranks agree on it at a step boundary, over a
-    Gloo side group: a CPU tensor, so no wait for the GPU at every step."""
+    flag (no collective may run inside one); the ranks agree on it after every step and at
+    each epoch's end, over a Gloo side group: a CPU tensor, so no wait for the GPU."""
 
     def __init__(self, timeout):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
-        limit = datetime.timedelta(seconds=timeout)
-        self.group = dist.new_group(backend="gloo", timeout=limit)
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
-        self.parent = os.getppid()  # the launcher (or the shell)
-        threading.Thread(target=self.watch, daemon=True).start()
+        if "TORCHELASTIC_RUN_ID" in os.environ or mp.parent_process():  # torchrun, mp.spawn
+            threading.Thread(target=self.watch, args=[os.getppid()], daemon=True).start()
 
     def ask(self, signum, frame):  # the signal handler
         self.asked = signum
 
-    def watch(self):
+    def watch(self, parent):
         """A launcher killed outright (SIGKILL) cannot stop its workers: they stop themselves,
-        as if preempted, within a second of its death."""
-        while os.getppid() == self.parent:
+        as on SIGHUP (the hang-up of the process they depend on), within a second of its
+        death. Only under a launcher: a job started from a shell (nohup) outlives it."""
+        while os.getppid() == parent:
             time.sleep(1)
-        self.asked = signal.SIGTERM
+        self.asked = signal.SIGHUP
 
     def agreed(self):
         """Every rank, at the same step: the signal any rank was asked to stop by, or ""."""
         flag = torch.tensor([self.asked])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        if flag:
-            return signal.Signals(int(flag)).name
-        return ""
+        return signal.Signals(int(flag)).name if flag else ""
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
-def choose_checkpoint(folder, d):
+def choose_checkpoint(folder, shape, d):
     """Every rank, before any work: rank 0 locks the folder and picks the newest checkpoint
-    that verifies, and one broadcast tells every rank which (None: start from step 0) or why
-    the job cannot go on."""
+    that verifies (it must fit shape, rank 0's settings()), and one broadcast tells every
+    rank which (None: start from step 0) or why the job cannot go on."""
     choice = [None, None]  # the checkpoint to resume from; rank 0's error
     if d.rank == 0:
         try:
             lock(folder)
-            choice[0] = newest_readable(folder)
+            choice[0] = newest_readable(folder, shape)
         except (SetupError, OSError) as e:  # every rank must hear it, or the others wait
             choice[1] = str(e)
     dist.broadcast_object_list(choice, src=0)
@@ -508,30 +527,32 @@ def choose_checkpoint(folder, d):
 def lock(folder):
     """Rank 0 holds DIR/.lock while its job lives: a second job there would prune and
     overwrite its checkpoints. Also: the folder must be writable (the lock file alone may be),
-    and a killed save's temporary files go."""
+    and a killed save's temporary files go, and so does DIR/preempted (this run's to write)."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
         lock_file = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT)  # open until we exit
         fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        wait = "use another --checkpoint-dir, or wait"
-        raise SetupError(f"another job holds {folder}/.lock: {wait}") from None
+        raise SetupError(
+            f"another job holds {folder}/.lock: use another --checkpoint-dir, or wait"
+        ) from None
     except OSError as e:  # not a folder, read-only, or a filesystem without locks
         raise SetupError(f"cannot write checkpoints in {folder}: {e.strerror}") from None
     for leftover in folder.glob(".step-*.tmp*"):
         leftover.unlink()
+    (folder / "preempted").unlink(missing_ok=True)
 
 
-def newest_readable(folder):
-    """Rank 0: the newest checkpoint that verifies, or None. Newer ones that do not are
-    renamed *.unreadable, kept for a person to look at; if none verifies but one was finished
-    (it has its sha256), the job stops rather than start over from step 0."""
+def newest_readable(folder, shape):
+    """Rank 0: the newest checkpoint that verifies, or None; it must fit shape. Newer ones
+    that do not verify are renamed *.unreadable, kept for a person to look at; if none does
+    but one was finished (it has its sha256), the job stops rather than start over."""
     newest = None
     unreadable = {}  # path: the error that names it and says why
     for path in checkpoints_in(folder):
         try:
-            read_checkpoint(path)
+            saved = read_checkpoint(path)
             newest = path
             break
         except SetupError as e:
@@ -546,18 +567,16 @@ def newest_readable(folder):
         path.rename(f"{path}.unreadable")
     if newest is None:
         say(f"no checkpoint in {folder}: starting from step 0")
+    else:
+        check_settings(saved["args"], newest, shape)
     return newest
 
 
 def checkpoints_in(folder):
     """The checkpoints in folder, newest first: step-N.pt by the number N, of any length. A
     name that is not a number (a user's step-best.pt) is never loaded and never pruned."""
-    numbered = {}
-    for path in folder.glob("step-*.pt"):
-        number = path.stem[5:]  # step-00000040.pt: "00000040"
-        if number.isdigit():
-            numbered[int(number)] = path
-    return [numbered[n] for n in sorted(numbered, reverse=True)]
+    paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]
+    return sorted(paths, key=lambda path: int(path.stem[5:]), reverse=True)  # "00000040": 40
 
 
 def read_checkpoint(path):
@@ -566,8 +585,7 @@ def read_checkpoint(path):
     if not marker(path).exists():
         raise SetupError(f"{path.name}: no {marker(path).name}: the save did not finish")
     data = path.read_bytes()
-    digest = hashlib.sha256(data).hexdigest()
-    if digest != marker(path).read_text()[:64]:
+    if hashlib.sha256(data).hexdigest() != marker(path).read_text()[:64]:
         raise SetupError(
             f"{path.name}: sha256 mismatch ({len(data)} bytes): truncated or corrupted"
         )
@@ -585,76 +603,80 @@ def marker(path):
 
 
 def resume(state, path, args, d, sampler, steps_per_epoch):
-    """Every rank: the checkpoint rank 0 chose, loaded into the training state. On the same
-    world size the run goes on bit for bit; on another, from the same place in the data, with
-    the one-cycle schedule rebuilt for the steps left."""
+    """Every rank: the checkpoint rank 0 chose, loaded into the training state. With the same
+    processes, batch and --epochs the run goes on bit for bit; with others, from the same
+    place in the data, with the one-cycle schedule rebuilt for the steps left."""
     saved = read_checkpoint(path)  # every rank reads it: the folder is on shared storage
-    check_settings(saved["args"], path, args)
     try:
         state.load_state_dict(saved)
     except (RuntimeError, KeyError, ValueError) as e:  # build_model changed, say
         first = str(e).splitlines()[0]
         raise SetupError(f"{path} does not fit this model or optimizer: {first}") from e
-    saved_world = saved["world_size"]
-    if saved_world != d.world_size:
-        sampler.set_position(state.epoch, state.position)
-        left = len(sampler) // args.batch_size // args.accum_steps  # in this epoch
-        if left == 0:  # not a full step left at this world size: on to the next epoch
-            state.epoch += 1
-            state.position = 0
-            left = steps_per_epoch
-        left += steps_per_epoch * (args.epochs - state.epoch - 1)  # and the epochs after
-        total = state.step + left
+    sampler.set_position(state.epoch, state.position)
+    left = len(sampler) // args.batch_size // args.accum_steps  # steps left in this epoch
+    total = state.step + left + steps_per_epoch * (args.epochs - state.epoch - 1)
+    done = f"epoch {state.epoch + 1} with {state.position} of its images done"
+    if total < state.step:
+        raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
+    planned = state.scheduler.total_steps
+    if total != planned:  # the rest of the cycle, from where it is, over the steps left
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
-        if d.rank == 0:
-            say(f"world size {saved_world} -> {d.world_size}: schedule of {total} steps")
+    # The global batch (all ranks' images in a step) is what training sees: a new world size
+    # that keeps it (with --batch-size or --accum-steps changed to match) keeps the training.
+    was = (saved["world_size"], saved["global_batch"], planned)
+    now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:
-        done = f"epoch {state.epoch + 1} with {state.position} of its images done"
         say(f"resuming from {path}: {done}, global step {state.step}")
+    if d.rank == 0 and was != now:
+        say(f"world size, global batch, steps: {was} -> {now}")
 
 
-def check_settings(saved, path, args):
-    """A resume must use the settings its checkpoint was written with."""
-    differ = []
-    for name, value in settings(args).items():
-        if saved.get(name) != value:
-            differ.append(f"--{name.replace('_', '-')} {saved.get(name)} there, {value} here")
+def check_settings(saved, path, shape):
+    """Rank 0: a resume must share shape, settings(), with its checkpoint."""
+    differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in shape.items() if saved.get(k) != v]
     if differ:
-        same = "resume with the same ones or use another --checkpoint-dir"
-        raise SetupError(f"{path} was written with other settings ({', '.join(differ)}); {same}")
+        same = "Resume with the same ones or use another --checkpoint-dir"
+        raise SetupError(f"{path} was written with other settings: {'; '.join(differ)}. {same}")
 
 
-def settings(args):
-    """The options that shape the run, as text."""
-    return {name: str(getattr(args, name)) for name in SHAPES_THE_RUN}
+def settings(args, train_set):
+    """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN and, with --data,
+    what the training images are, not where: their number, their classes, and a sha256 of
+    their names (class folder included) and sizes (cheap: no image is opened)."""
+    shape = {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
+    if args.data:  # (ImageFolder's samples; replace with what identifies your data)
+        del shape["--train-size"]
+        images = [
+            f"{os.path.relpath(p, args.data)} {os.path.getsize(p)}" for p, _ in train_set.samples
+        ]
+        digest = hashlib.sha256(str(images).encode()).hexdigest()
+        shape["images"] = f"{len(images)} in classes {train_set.classes} (sha256 {digest[:8]})"
+    return shape
 
 
-def save(state, writer, args, d):
+def save(state, writer, args, d, shape):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
     rank) and the previous write must have finished; then rank 0 copies the state to the CPU
     and a thread writes it while training goes on."""
-    weights = state.model.parameters()
-    finite = all(p.isfinite().all() for p in weights)  # the same verdict on every rank
+    finite = all(p.isfinite().all() for p in state.model.parameters())  # (on every rank)
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict()
         saved["world_size"] = d.world_size
-        saved["args"] = settings(args)
-        path = args.checkpoint_dir / f"step-{state.step:08d}.pt"
-        writer.start(cpu_copy(saved), path, args.keep)
+        saved["global_batch"] = d.world_size * args.batch_size * args.accum_steps
+        saved["args"] = shape
+        writer.start(cpu_copy(saved), args.checkpoint_dir / f"step-{state.step:08d}.pt", args.keep)
 
 
 def cpu_copy(value):
-    """A state_dict (dicts and lists of tensors and numbers) with every tensor copied to the
+    """A state_dict (dicts of dicts of tensors and numbers) with every tensor copied to the
     CPU: the writer's own, which training cannot change under it (a copy even of a CPU
-    tensor)."""
+    tensor). An optimizer that keeps lists of tensors (LBFGS) needs lists too: NOTES.md."""
     if isinstance(value, dict):
         return {k: cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):  # LBFGS keeps lists of tensors, say
-        return type(value)(cpu_copy(v) for v in value)
     if isinstance(value, torch.Tensor):
         return value.to("cpu", copy=True)
     return value
@@ -982,56 +1004,78 @@ def launch(main, args):
     )
     if args.spawn is None:
         run_rank(0, main, args)
+    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
+
+    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
+    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
+    def forward(signum, frame):
+        for p in ranks.processes:
+            os.kill(p.pid, signum)
+
+    for sig in STOP_SIGNALS[1:]:
+        signal.signal(sig, forward)
     try:
-        mp.spawn(run_rank, args=(main, args), nprocs=n)  # run_rank(i, main, args), i < n
+        while not ranks.join():  # True once all have ended; raises when one has failed
+            pass
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
         sys.exit(128 + signal.SIGINT)
 
 
+# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
+# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank."""
+    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
+    then the program's exit hooks and os._exit."""
     if index is not None:  # under --spawn: mp.spawn passes the index
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # Ctrl-C, a scheduler, a terminal
+    for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     try:
         try:
             main(args)
+            code = 0
+            why = ""
         except CheckFailed as e:
-            end(1, f"CHECK FAILED: {e}")
+            code = 1
+            why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:  # expected: one line says why
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
-            end(1, "error: " + str(e).strip().rpartition("SetupError: ")[2])
+            code = 1
+            why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             # Raised in torch.distributed: a collective failed (a peer is gone, say), and
             # torch's message says so. Raised anywhere else: a bug, keep its traceback.
             where = traceback.extract_tb(e.__traceback__)[-1].filename
             if not where.startswith(os.path.dirname(dist.__file__)):
                 traceback.print_exc()
-            end(1, f"error: {type(e).__name__}: {e}")
-        end(0)
+            code = 1
+            why = f"error: {type(e).__name__}: {e}"
     # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
     # others, say) arrives while the rank is already ending on an error of its own
     except KeyboardInterrupt as e:
-        end(128 + signal.Signals[str(e)], f"stopped by {e}")
-
-
-def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signal.Signals(signum).name)
-
-
-def end(code, why=""):
-    """End the process now: one line naming the rank, the program's exit hooks, os._exit."""
+        code = 128 + signal.Signals[str(e)]
+        why = f"stopped by {e}"
+    # The end, out of the except blocks: their exception held the frames it passed through,
+    # and what those held is released now (DataLoader workers end), before the exit hooks.
+    for sig in STOP_SIGNALS:  # ending already: a signal now could only garble the line
+        signal.signal(sig, signal.SIG_IGN)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
     with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+
+
+def stop(signum, frame):
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
+    raise KeyboardInterrupt(signal.Signals(signum).name)
 
 
 class Dist(NamedTuple):

@@ -39,7 +39,7 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
     # the default action for these, whatever the test session inherited (a background job
     # of a shell ignores SIGINT), as launch.start() gives a launch
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)

@@ -116,7 +116,7 @@ def start(
             full_env.pop(name, None)
 
     def dispositions() -> None:  # in the child, before exec: not those of a background shell
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
             signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)
@@ -168,6 +168,8 @@ def command(script: str, args=(), launcher: str = "single", nproc: int = 2, extr
             path,
             *args,
         ]
+    if launcher == "bash":  # script: a shell script (a README's batch script, say)
+        return ["bash", path, *args]
     if launcher == "agent":
         return [
             PYTHON,
