@@ -113,17 +113,18 @@ def slurm_job(tmp_path, folder, script=SCRIPT):
     text = text.replace(":29400", f":{free_port()}").replace(SCRIPT, str(REPO / script))
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
+    scontrol = f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {tmp_path}/requeued; fi'
     for name, body in [
         ("srun", 'exec "$@"'),
-        ("scontrol", f'if [ "$1" = show ]; then echo 127.0.0.1; else echo "$@" >> {tmp_path}/requeued; fi'),
+        ("scontrol", scontrol),
         ("torchrun", f'exec {sys.executable} -m torch.distributed.run "$@"'),
-    ]:  # fmt: skip
+    ]:
         (stubs / name).write_text(f"#!/bin/bash\n{body}\n")
         (stubs / name).chmod(0o755)
     job = tmp_path / f"{Path(script).stem}.sh"
     job.write_text(text)
-    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NAME": "job", "SLURM_JOB_ID": "7",
-           "SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_NODELIST": "node0"}  # fmt: skip
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NAME": "job", "SLURM_JOB_ID": "7"}
+    env |= {"SLURM_NNODES": "1", "SLURM_GPUS_ON_NODE": "1", "SLURM_JOB_NODELIST": "node0"}
     return job, env
 
 
@@ -166,9 +167,14 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
         assert (folder / "preempted").exists() and requeues(tmp_path) == len(stops)
     assert len(stops) >= 4 and stops == sorted(stops), stops
     # a bug: the same script and folder, the model raising in its forward
-    buggy = (REPO / SCRIPT).read_text().replace(
-        "\n    return model\n",
-        "\n    model.register_forward_hook(lambda *_: 1 / 0)  # a bug\n    return model\n", 1
+    buggy = (
+        (REPO / SCRIPT)
+        .read_text()
+        .replace(
+            "\n    return model\n",
+            "\n    model.register_forward_hook(lambda *_: 1 / 0)  # a bug\n    return model\n",
+            1,
+        )
     )
     (tmp_path / "buggy.py").write_text(buggy)
     buggy_sh, _ = slurm_job(tmp_path, folder, tmp_path / "buggy.py")
@@ -178,6 +184,94 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     r = Watched(job_sh, *args, launcher="bash", env=env).finish()
     assert r.returncode == 0, r
     assert final_state(r.stdout) == expected
+
+
+def test_a_stop_in_validation_under_timeout_ends_in_seconds_with_its_save(tmp_path):
+    # GNU timeout relays a SIGTERM to its whole process group, as SLURM signals a job step:
+    # here the --spawn launcher and both ranks (the scheduler test above signals DataLoader
+    # workers too). The launcher passes it on and waits for the ranks, which cut the epoch's
+    # validation short, save, and stop: seconds, where the whole validation takes longer.
+    args = [*SMALL, "--epochs", 1, "--val-size", 4096]
+    job_sh = tmp_path / "job.sh"
+    job_sh.write_text(f'exec timeout 600 {sys.executable} {REPO / SCRIPT} --spawn 2 "$@"\n')
+    job = Watched(job_sh, *args, "--log-every", 4, "--checkpoint-dir", tmp_path, launcher="bash")
+    job.wait_for("step     4/4")  # the epoch's last step: its validation starts
+    signalled = time.monotonic()
+    os.kill(job.proc.pid, signal.SIGTERM)  # timeout's: it signals the group
+    r = job.finish()
+    assert time.monotonic() - signalled < 10, r
+    validated = int(re.search(r"val loss \S+ acc \S+ on (\d+) images", r.stdout)[1])
+    assert validated < 4096, r  # cut short
+    assert "stopping on SIGTERM at step 4" in r.stdout and "saved step-00000004.pt" in r.stdout
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    assert ours == ["[rank 0] stopped by SIGTERM", "[rank 1] stopped by SIGTERM"], r
+    assert "killed by signal" not in r.stderr and (tmp_path / "preempted").exists()
+
+
+def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
+    # No signal comes: the shell that started `nohup python 04 ... &` exits, and the job's
+    # parent changes. It took that for a killed launcher and stopped 4 s later "on SIGTERM".
+    # Only a process a launcher started watches its parent now.
+    expected, _ = reference(1)
+    out = tmp_path / "out"
+    command = [sys.executable, REPO / SCRIPT, *SMALL, "--checkpoint-dir", tmp_path]
+    started = subprocess.run(
+        ["bash", "-c", f"nohup {' '.join(map(str, command))} > {out} 2>&1 & echo $!"],
+        capture_output=True, text=True, timeout=30, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
+    )  # fmt: skip
+    pid, deadline = int(started.stdout), time.monotonic() + 120
+    try:
+        while os.path.exists(f"/proc/{pid}") and not zombie(pid):  # the shell has exited
+            assert time.monotonic() < deadline, "the nohup job is still running after 120 s"
+            time.sleep(0.1)  # polling for the job to end, not synchronising with it
+    finally:
+        if os.path.exists(f"/proc/{pid}"):
+            os.kill(pid, signal.SIGKILL)
+    assert final_state(out.read_text()) == expected, out.read_text()
+
+
+def test_the_data_is_known_by_its_images_not_where_they_lie(tmp_path):
+    # A cluster stages the data to another folder for each job: the requeued job went on
+    # being refused (--data compared as a path). Now its names and sizes are compared, and
+    # an option it makes irrelevant (--train-size) no longer matters. --epochs may grow.
+    image_folder(tmp_path / "images")
+    args = [*SMALL, "--batch-size", 4, "--checkpoint-dir", tmp_path / "ckpt"]
+    forked(SCRIPT, *args, "--data", tmp_path / "images", "--epochs", 1).ok()
+    staged = tmp_path / "staged"
+    shutil.copytree(tmp_path / "images", staged)
+    r = forked(SCRIPT, *args, "--data", staged, "--epochs", 2, "--train-size", 64).ok()
+    assert "epoch 2 with 0 of its images done, global step 8" in r.stdout, r
+    assert "world size, global batch, steps: (1, 4, 8) -> (1, 4, 16)" in r.stdout, r
+    assert "epoch 2 done" in r.stdout
+    r = forked(SCRIPT, *args, "--data", staged, "--epochs", 1).failed()
+    assert "--epochs 1 ends before step-00000016.pt: epoch 3 with 0 of its images done" in r.stderr
+    # 8 images moved from one class to the other: same number, same names, refused
+    for i in range(8):
+        (staged / "train/red" / f"{i}.png").rename(staged / "train/blue" / f"moved{i}.png")
+    r = forked(SCRIPT, *args, "--data", staged, "--epochs", 3).failed()
+    same = r"32 in classes \['blue', 'red'\] \(sha256 (\w+)\)"
+    there, here = re.search(rf"settings: images {same} there, {same} here\.", r.stderr).groups()
+    assert there != here, r
+
+
+def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path):
+    # Stopped on 2 ranks at a step it cannot foresee, resumed on 1 with --accum-steps 2 and on
+    # 4 with --batch-size 4: 16 images a step as before, so the training is the same (float64
+    # and GroupNorm: no batch statistics; only the order of additions differs).
+    base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--float64", "--train-size", 64]
+    base += ["--batch-size", 8, "--epochs", 1]  # 4 steps of 16 images
+    forked(SCRIPT, *base, "--checkpoint-dir", tmp_path / "whole", nproc=2).ok()
+    whole = torch.load(tmp_path / "whole/step-00000004.pt", weights_only=True)["model"]
+    cut = ["--checkpoint-dir", tmp_path / "cut", "--save-every", 1, "--simulate-failure", 3]
+    forked(SCRIPT, *base, *cut, nproc=2).failed()  # step 1 saved, and step 2 unless cut short
+    for nproc, change in [(1, ["--accum-steps", 2]), (4, ["--batch-size", 4])]:
+        folder = tmp_path / f"on{nproc}"
+        shutil.copytree(tmp_path / "cut", folder)
+        r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc).ok()
+        assert f"world size, global batch, steps: (2, 16, 4) -> ({nproc}, 16, 4)" in r.stdout, r
+        ended = torch.load(folder / "step-00000004.pt", weights_only=True)["model"]
+        for name, tensor in whole.items():
+            assert torch.allclose(ended[name], tensor, rtol=0, atol=1e-9), name
 
 
 def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
@@ -349,9 +443,12 @@ def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference)
         ) in second.failed().stderr, second
     expected, _ = reference(1)
     assert final_state(first.finish().ok().stdout) == expected  # untouched by the second
-    # once the first has ended, the lock is free: the same command resumes (nothing to do)
+    # once the first has ended, the lock is free: the same command finds the run finished,
+    # trains nothing, and verifies the same weights
     again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path).ok()
-    assert "nothing to do: --epochs 2 are done" in again.stdout
+    assert "the run had finished at step 16: nothing to train" in again.stdout
+    assert "saved " not in again.stdout  # nothing trained, nothing saved
+    assert final_state(again.stdout) == expected
 
 
 def test_resuming_on_another_world_size_keeps_the_data_position_exact(tmp_path):
@@ -362,13 +459,14 @@ def test_resuming_on_another_world_size_keeps_the_data_position_exact(tmp_path):
     forked(SCRIPT, *args, "--simulate-failure", 4, nproc=3).failed()
     r = run(SCRIPT, *args, launcher="spawn", nproc=2).ok()  # 04's real --spawn launch
     # the newest finished save: step 3 (48 images into epoch 2: 2 steps of it left at two
-    # ranks), or step 2 if step 3's background write was cut short (all 4 left)
+    # ranks), or step 2 if step 3's background write was cut short (all 4 left); the global
+    # batch shrinks with the world size, and the schedule is rebuilt for the steps left
     assert (
         "epoch 2 with 48 of its images done, global step 3" in r.stdout
-        and "world size 3 -> 2: schedule of 5 steps" in r.stdout
+        and "world size, global batch, steps: (3, 48, 4) -> (2, 32, 5)" in r.stdout
     ) or (
         "epoch 2 with 0 of its images done, global step 2" in r.stdout
-        and "world size 3 -> 2: schedule of 6 steps" in r.stdout
+        and "world size, global batch, steps: (3, 48, 4) -> (2, 32, 6)" in r.stdout
     ), r
     assert VERIFIED.search(r.stdout)[1] == "2"
 
@@ -408,14 +506,15 @@ def test_a_checkpoint_from_other_settings_or_another_model_is_refused(tmp_path, 
     _, finished = reference(1)
     shutil.copytree(finished, tmp_path, dirs_exist_ok=True)
     args = [*SMALL, "--checkpoint-dir", tmp_path]
-    r = forked(SCRIPT, *args, "--batch-size", 8).failed()
+    r = forked(SCRIPT, *args, "--lr", 0.1, "--train-size", 96).failed()
     assert (
-        f"error: {tmp_path}/step-00000016.pt was written with other settings (--batch-size 16 "
-        f"there, 8 here); resume with the same ones or use another --checkpoint-dir"
+        f"error: {tmp_path}/step-00000016.pt was written with other settings: --train-size 128 "
+        f"there, 96 here; --lr 0.05 there, 0.1 here. Resume with the same ones or use another "
+        f"--checkpoint-dir"
     ) in r.stderr
     # the model changed (a layer more), as when build_model is edited: one line, no traceback
     r = forked(SCRIPT, *args, "--unused-layer", "--find-unused-parameters").failed()
-    assert "(--unused-layer False there, True here)" in r.stderr
+    assert "settings: --unused-layer False there, True here." in r.stderr
     saved = torch.load(tmp_path / "step-00000016.pt", weights_only=True)
     del saved["model"][next(reversed(saved["model"]))]  # the last layer's bias, say
     torch.save(saved, tmp_path / "step-00000016.pt")
