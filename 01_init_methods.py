@@ -311,8 +311,9 @@ def init_method(text):
 #                  launch) runs as its rank, and --spawn is ignored. Else --spawn N starts
 #                  N ranks with mp.spawn (N left out: one per GPU, else 2), and a plain run
 #                  is a world of one; launch() sets their variables as torchrun would,
-#                  MASTER_ADDR:MASTER_PORT a free port of this machine.
-#   run_rank()     Runs main() and ends the process (end(): exit hooks, then os._exit):
+#                  MASTER_ADDR:MASTER_PORT a free port of this machine. Under --spawn it
+#                  waits for the ranks and passes on a signal sent to it alone.
+#   run_rank()     Runs main() and ends the process (exit hooks, then os._exit):
 #                  exit 0; exit 1 after one line, "[rank N] CHECK FAILED: ..." or "[rank N]
 #                  error: ..." (a SetupError, or torch.distributed's error: a lost peer,
 #                  say), a bug elsewhere keeping its traceback; any of STOP_SIGNALS (every

@@ -19,12 +19,15 @@ The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read i
   it at the same step, with the same data order and augmentations; each step's random numbers
   come from the rank and the step. So the weights end bit for bit those of an
   uninterrupted run with the same processes (GPUs too: cuDNN and cuBLAS are set to be
-  deterministic). On another world size the data position is exact and the schedule is
-  rebuilt for the steps left (the learning rate moves to where that schedule is).
+  deterministic). A resume may change --epochs, and the world size, --batch-size and
+  --accum-steps: the data position is exact, the schedule is rebuilt for the steps left,
+  and the same global batch trains the same. --data counts by what it holds, not where.
 - SIGTERM (what SLURM and Kubernetes send before a kill, and torchrun forwards) or SIGUSR1
-  (sbatch --signal): every rank finishes its step, all agree on the step to stop at, rank 0
-  saves, and each rank ends with exit code 128 + the signal, for the scheduler to retry.
-  If the launcher itself is killed, its workers do the same.
+  (sbatch --signal), to the ranks or their whole process group: every rank finishes its
+  step (or cuts validation short), all agree where to stop, rank 0 saves and then marks
+  DIR/preempted, and each rank ends with exit code 128 + the signal. torchrun itself exits
+  1: README.md's batch script turns a marked exit into 143 and requeues. If the launcher
+  is killed, its workers stop the same way.
 - A second job in the same folder is refused (rank 0 holds a lock), and so are a folder it
   cannot write and a checkpoint that does not fit the model or the settings.
 Under torchrun --max-restarts the ranks restart and resume on their own; a run resumes

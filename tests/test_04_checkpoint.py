@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from launch import REPO, Watched, forked, free_port, load_script, run, wait_for_any
+from launch import REPO, Watched, forked, free_port, load_script, wait_for_any
 
 SCRIPT = "04_checkpoint.py"
 # 03's job at its smallest: 16 px images, 128 of them, batches of 16, 2 epochs. One process
@@ -80,8 +80,6 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize(
     "nproc, options, fail_at, saved",
     [
-        (1, [], 7, [3, 6]),  # mid-epoch, one process (8 steps an epoch)
-        (1, ["--arch", "resnet18"], 7, [3, 6]),  # 03's default model
         (2, ["--accum-steps", 2], 3, [2]),  # two ranks, accumulation (2 steps an epoch)
         (2, ["data"], 6, [3, 4]),  # ImageFolder, random augmentation, 2 workers per rank
     ],
@@ -256,19 +254,20 @@ def test_the_data_is_known_by_its_images_not_where_they_lie(tmp_path):
 
 def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path):
     # Stopped on 2 ranks at a step it cannot foresee, resumed on 1 with --accum-steps 2 and on
-    # 4 with --batch-size 4: 16 images a step as before, so the training is the same (float64
-    # and GroupNorm: no batch statistics; only the order of additions differs).
-    base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--float64", "--train-size", 64]
-    base += ["--batch-size", 8, "--epochs", 1]  # 4 steps of 16 images
+    # 4 with --batch-size 2: 8 images a step as before, so the training is the same (float64
+    # and GroupNorm: no batch statistics; only the order of additions differs). The data
+    # position carries on exactly: a step of other images would end elsewhere.
+    base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--float64", "--train-size", 32]
+    base += ["--batch-size", 4, "--epochs", 1, "--val-size", 0]  # 4 steps of 8 images
     forked(SCRIPT, *base, "--checkpoint-dir", tmp_path / "whole", nproc=2).ok()
     whole = torch.load(tmp_path / "whole/step-00000004.pt", weights_only=True)["model"]
     cut = ["--checkpoint-dir", tmp_path / "cut", "--save-every", 1, "--simulate-failure", 3]
     forked(SCRIPT, *base, *cut, nproc=2).failed()  # step 1 saved, and step 2 unless cut short
-    for nproc, change in [(1, ["--accum-steps", 2]), (4, ["--batch-size", 4])]:
+    for nproc, change in [(1, ["--accum-steps", 2]), (4, ["--batch-size", 2])]:
         folder = tmp_path / f"on{nproc}"
         shutil.copytree(tmp_path / "cut", folder)
         r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc).ok()
-        assert f"world size, global batch, steps: (2, 16, 4) -> ({nproc}, 16, 4)" in r.stdout, r
+        assert f"world size, global batch, steps: (2, 8, 4) -> ({nproc}, 8, 4)" in r.stdout, r
         ended = torch.load(folder / "step-00000004.pt", weights_only=True)["model"]
         for name, tensor in whole.items():
             assert torch.allclose(ended[name], tensor, rtol=0, atol=1e-9), name
@@ -451,26 +450,6 @@ def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference)
     assert final_state(again.stdout) == expected
 
 
-def test_resuming_on_another_world_size_keeps_the_data_position_exact(tmp_path):
-    # Killed at step 4 of three ranks: epoch 1 had 2 steps (43 images per rank, 2 full
-    # batches), so step 3 (epoch 2's first, 48 images in) was saved. Two ranks go on from
-    # image 48 of epoch 2's order (the sampler's deal is checked in-process below).
-    args = [*SMALL, "--checkpoint-dir", tmp_path]
-    forked(SCRIPT, *args, "--simulate-failure", 4, nproc=3).failed()
-    r = run(SCRIPT, *args, launcher="spawn", nproc=2).ok()  # 04's real --spawn launch
-    # the newest finished save: step 3 (48 images into epoch 2: 2 steps of it left at two
-    # ranks), or step 2 if step 3's background write was cut short (all 4 left); the global
-    # batch shrinks with the world size, and the schedule is rebuilt for the steps left
-    assert (
-        "epoch 2 with 48 of its images done, global step 3" in r.stdout
-        and "world size, global batch, steps: (3, 48, 4) -> (2, 32, 5)" in r.stdout
-    ) or (
-        "epoch 2 with 0 of its images done, global step 2" in r.stdout
-        and "world size, global batch, steps: (3, 48, 4) -> (2, 32, 6)" in r.stdout
-    ), r
-    assert VERIFIED.search(r.stdout)[1] == "2"
-
-
 @pytest.mark.parametrize("size, world", [(128, 3), (10, 4), (7, 2), (3, 4)])
 def test_the_sampler_deals_what_distributed_sampler_deals_and_resumes_on_any_world_size(
     size, world
@@ -563,15 +542,16 @@ def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
     assert "step " not in r.stdout
 
 
-def test_a_compiled_run_resumes_bitwise(tmp_path, reference):
-    # model.compile() before DDP: checkpoints keep plain keys (no "_orig_mod."); aot_eager
-    # needs no C compiler, and on ResNet-18 (no dropout) gives eager's numbers exactly
+def test_a_compiled_runs_checkpoint_resumes_bitwise_without_compiling(tmp_path, reference):
+    # model.compile() before DDP: checkpoints keep plain keys (no "_orig_mod."), so a model
+    # compiled or not loads them; aot_eager needs no C compiler, and on ResNet-18 (no
+    # dropout) gives eager's numbers exactly (03's equivalence matrix compiles under DDP)
     expected, _ = reference(1, "--arch", "resnet18")
     args = [*SMALL, "--arch", "resnet18", "--compile", "aot_eager", "--checkpoint-dir", tmp_path]
     forked(SCRIPT, *args, "--simulate-failure", 10, timeout=180).failed()
     saved = torch.load(max(tmp_path.glob("step-*.pt")), weights_only=True)
     assert "conv1.weight" in saved["model"]  # a plain key
-    r = forked(SCRIPT, *args, timeout=180).ok()
+    r = forked(SCRIPT, *args[:-4], "--checkpoint-dir", tmp_path).ok()  # resumed, not compiled
     assert final_state(r.stdout) == expected
 
 

@@ -189,31 +189,6 @@ def test_an_output_that_is_the_evaluated_checkpoint_is_refused(
     assert victim.read_bytes() == b"a trained model"
 
 
-def test_an_output_that_fails_part_way_keeps_the_old_file_and_names_it(tmp_path):
-    # A write that fails part-way, as on a full disk: here a 1 KB file-size limit (launch.run).
-    # The predictions of 256 images are about 3 KB; written in place they were left truncated.
-    predictions = tmp_path / "pred.csv"
-    predictions.write_text("an earlier run's predictions\n")
-    # Two ranks: every rank ends with rank 0's line (it writes alone and tells the others)
-    r = run(
-        SCRIPT,
-        "--spawn",
-        2,
-        "--val-size",
-        256,
-        "--predictions",
-        predictions,
-        *COMMON,
-        file_size_kb=1,
-    ).failed()
-    ranks = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
-    assert ranks == [
-        f"[rank {i}] error: cannot write {predictions}: File too large" for i in (0, 1)
-    ]
-    assert predictions.read_text() == "an earlier run's predictions\n"
-    assert [p.name for p in tmp_path.iterdir()] == ["pred.csv"]  # no temporary file left
-
-
 @pytest.mark.parametrize(
     "args, message",
     [

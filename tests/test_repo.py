@@ -304,7 +304,7 @@ def commands(text: str):
     for line in text.replace("\\\n", " ").splitlines():
         line = line.split(" # ", 1)[0].split("  #", 1)[0].strip()
         if line.startswith(("python", "torchrun", "srun")):
-            words = shlex.split(line)
+            words = [w for w in shlex.split(line) if w not in ("$@", "&")]  # a batch script's
             script = next((w for w in words if re.fullmatch(r"0[1-6]_\w+\.py", w)), None)
             if script:
                 yield line, script, words[words.index(script) + 1 :]
