@@ -253,29 +253,28 @@ def test_the_data_is_known_by_its_images_not_where_they_lie(tmp_path):
 
 
 def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path):
-    # Stopped on 2 ranks at a step it cannot foresee, resumed on 1 with --accum-steps 2 and on
+    # Stopped on 2 ranks part-way (its step-2 checkpoint), resumed on 1 with --accum-steps 2 and on
     # 4 with --batch-size 2: 8 images a step as before, so the training is the same (float64
     # and GroupNorm: no batch statistics; only the order of additions differs). The data
     # position carries on exactly: a step of other images would end elsewhere.
     base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--float64", "--train-size", 32]
     base += ["--batch-size", 4, "--epochs", 1, "--val-size", 0]  # 4 steps of 8 images
-    forked(SCRIPT, *base, "--checkpoint-dir", tmp_path / "whole", nproc=2).ok()
-    whole = torch.load(tmp_path / "whole/step-00000004.pt", weights_only=True)["model"]
-    cut = ["--checkpoint-dir", tmp_path / "cut", "--save-every", 1, "--simulate-failure", 3]
-    forked(SCRIPT, *base, *cut, nproc=2).failed()  # step 1 saved, and step 2 unless cut short
+    whole = tmp_path / "whole"
+    forked(SCRIPT, *base, "--checkpoint-dir", whole, "--save-every", 2, nproc=2).ok()
+    ended_whole = torch.load(whole / "step-00000004.pt", weights_only=True)["model"]
     for nproc, change in [(1, ["--accum-steps", 2]), (4, ["--batch-size", 2])]:
-        folder = tmp_path / f"on{nproc}"
-        shutil.copytree(tmp_path / "cut", folder)
+        folder = tmp_path / f"on{nproc}"  # what a stop after step 2 or 3 leaves: step 2
+        shutil.copytree(whole, folder, ignore=shutil.ignore_patterns("step-00000004.pt*"))
         r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc).ok()
         assert f"world size, global batch, steps: (2, 8, 4) -> ({nproc}, 8, 4)" in r.stdout, r
         ended = torch.load(folder / "step-00000004.pt", weights_only=True)["model"]
-        for name, tensor in whole.items():
+        for name, tensor in ended_whole.items():
             assert torch.allclose(ended[name], tensor, rtol=0, atol=1e-9), name
 
 
 def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     # SIGKILL to the torchrun agent: nobody forwards anything. Each worker sees its parent
-    # gone within a second, and they stop as on SIGTERM; nothing keeps the lock.
+    # gone within a second, and they stop as on a signal (SIGHUP); nothing keeps the lock.
     expected, _ = reference(2)
     job = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="torchrun", nproc=2)
     job.wait_for("saved step-00000003.pt")
@@ -286,6 +285,7 @@ def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in workers):
         assert time.monotonic() - killed < 20, "orphaned workers still running after 20 s"
         time.sleep(0.1)  # polling for the processes to end, not synchronising with them
+    assert (tmp_path / "preempted").exists()  # saved and stopped: a scheduler may retry
     again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).ok()
     assert "resuming from" in again.stdout
     assert final_state(again.stdout) == expected
@@ -542,17 +542,17 @@ def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
     assert "step " not in r.stdout
 
 
-def test_a_compiled_runs_checkpoint_resumes_bitwise_without_compiling(tmp_path, reference):
-    # model.compile() before DDP: checkpoints keep plain keys (no "_orig_mod."), so a model
-    # compiled or not loads them; aot_eager needs no C compiler, and on ResNet-18 (no
-    # dropout) gives eager's numbers exactly (03's equivalence matrix compiles under DDP)
-    expected, _ = reference(1, "--arch", "resnet18")
-    args = [*SMALL, "--arch", "resnet18", "--compile", "aot_eager", "--checkpoint-dir", tmp_path]
-    forked(SCRIPT, *args, "--simulate-failure", 10, timeout=180).failed()
-    saved = torch.load(max(tmp_path.glob("step-*.pt")), weights_only=True)
-    assert "conv1.weight" in saved["model"]  # a plain key
-    r = forked(SCRIPT, *args[:-4], "--checkpoint-dir", tmp_path).ok()  # resumed, not compiled
-    assert final_state(r.stdout) == expected
+def test_a_compiled_models_state_dict_keeps_plain_keys():
+    # 04 compiles the module in place (model.compile(), before DDP): its state_dict, and so
+    # every checkpoint, keeps the keys of the plain model, which a model compiled or not
+    # loads; torch.compile(model) would add "_orig_mod.". (03's equivalence matrix trains a
+    # compiled model under DDP; compiling costs seconds a run.)
+    import torchvision
+
+    model = torchvision.models.resnet18()
+    keys = list(model.state_dict())
+    model.compile(backend="aot_eager")
+    assert list(model.state_dict()) == keys and "conv1.weight" in keys
 
 
 def test_a_diverging_run_saves_no_non_finite_checkpoint(tmp_path):
