@@ -21,13 +21,14 @@ The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read i
   uninterrupted run with the same processes (GPUs too: cuDNN and cuBLAS are set to be
   deterministic). A resume may change --epochs, and the world size, --batch-size and
   --accum-steps: the data position is exact, the schedule is rebuilt for the steps left,
-  and the same global batch trains the same. --data counts by what it holds, not where.
+  and the same global batch trains the same (but for BatchNorm's per-rank statistics and
+  dropout). --data counts by what it holds, not where.
 - SIGTERM (what SLURM and Kubernetes send before a kill, and torchrun forwards) or SIGUSR1
   (sbatch --signal), to the ranks or their whole process group: every rank finishes its
   step (or cuts validation short), all agree where to stop, rank 0 saves and then marks
   DIR/preempted, and each rank ends with exit code 128 + the signal. torchrun itself exits
-  1: README.md's batch script turns a marked exit into 143 and requeues. If the launcher
-  is killed, its workers stop the same way.
+  1: README.md's batch script turns a marked exit into 143 and requeues. If torchrun is
+  killed, its workers stop the same way.
 - A second job in the same folder is refused (rank 0 holds a lock), and so are a folder it
   cannot write and a checkpoint that does not fit the model or the settings.
 Under torchrun --max-restarts the ranks restart and resume on their own; a run resumes
@@ -120,17 +121,18 @@ def main(args):
         say(f"{total_steps} steps of {args.batch_size} images x {args.accum_steps} accum per rank")
 
     def after_step(last, due=False):
-        """Every rank, after each step and at each epoch's end: --simulate-failure first;
-        then a save every --save-every steps and at each epoch's end (due), and a stop if any
-        rank was asked to: saved first, then the folder marked preempted, for a scheduler.
-        An epoch's last step leaves both to the epoch's end, after validation."""
+        """Every rank, after each step (last: the epoch's last, whose save and stop wait for
+        the epoch's end) and at each epoch's end (due: a save is due): --simulate-failure
+        first; then a save every --save-every steps and when due, and a stop if any rank
+        was asked to: saved first, then the folder marked preempted, for a scheduler. A
+        signal after the last epoch's end lets the job finish."""
         last_rank = d.rank == d.world_size - 1
         if state.step == args.simulate_failure and last_rank and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
             return
-        stop = preemption.agreed()  # every rank: a small CPU all-reduce
+        stop = preemption.agreed() if state.epoch < args.epochs else ""  # a CPU all-reduce
         if stop or due or state.step % args.save_every == 0:
             save(state, writer, args, d, shape)
         if stop:
@@ -273,7 +275,7 @@ def quiet_worker(worker_id):
     SLURM, `timeout` and `kill -- -PGID` signal the whole process group: torch's workers died
     at once, and their rank ended on "DataLoader worker ... killed" before it could save.
     They end with their rank (each watches its parent)."""
-    for sig in STOP_SIGNALS:
+    for sig in STOP_SIGNALS:  # (the shared plumbing's, at the bottom)
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -486,18 +488,21 @@ class Preemption:
     def __init__(self, timeout):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        # these two replace run_rank's handler (which ends the rank at once): a stop must wait
+        # for the end of a step, and save
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
-        if "TORCHELASTIC_RUN_ID" in os.environ or mp.parent_process():  # torchrun, mp.spawn
+        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (mp.spawn: see watch)
             threading.Thread(target=self.watch, args=[os.getppid()], daemon=True).start()
 
     def ask(self, signum, frame):  # the signal handler
         self.asked = signum
 
     def watch(self, parent):
-        """A launcher killed outright (SIGKILL) cannot stop its workers: they stop themselves,
+        """A torchrun killed outright (SIGKILL) cannot stop its workers: they stop themselves,
         as on SIGHUP (the hang-up of the process they depend on), within a second of its
-        death. Only under a launcher: a job started from a shell (nohup) outlives it."""
+        death. Only under torchrun: a job started from a shell (nohup) outlives the shell,
+        and mp.spawn's ranks get SIGINT when their parent dies (and stop at once)."""
         while os.getppid() == parent:
             time.sleep(1)
         self.asked = signal.SIGHUP
@@ -608,7 +613,8 @@ def marker(path):
 def resume(state, path, args, d, sampler, steps_per_epoch):
     """Every rank: the checkpoint rank 0 chose, loaded into the training state. With the same
     processes, batch and --epochs the run goes on bit for bit; with others, from the same
-    place in the data, with the one-cycle schedule rebuilt for the steps left."""
+    place in the data, on a one-cycle schedule rebuilt for the new number of steps (the
+    learning rate moves to where that schedule is at the step reached)."""
     saved = read_checkpoint(path)  # every rank reads it: the folder is on shared storage
     try:
         state.load_state_dict(saved)
@@ -622,12 +628,13 @@ def resume(state, path, args, d, sampler, steps_per_epoch):
     if total < state.step:
         raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
     planned = state.scheduler.total_steps
-    if total != planned:  # the rest of the cycle, from where it is, over the steps left
+    if total != planned:  # a one-cycle schedule of the new length, at the step reached
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
     # The global batch (all ranks' images in a step) is what training sees: a new world size
-    # that keeps it (with --batch-size or --accum-steps changed to match) keeps the training.
+    # that keeps it (with --batch-size or --accum-steps changed to match) keeps the training,
+    # but for what depends on the rank's own batch (BatchNorm's statistics, dropout's masks).
     was = (saved["world_size"], saved["global_batch"], planned)
     now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:

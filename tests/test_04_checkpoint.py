@@ -135,10 +135,11 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     # What SLURM and Kubernetes do before they kill a job: SIGTERM. The README's batch script
     # runs 04 under torchrun; SIGTERM reaches torchrun at five moments the script cannot
     # foresee (before the first step, after a save, in the epoch's validation, part-way into
-    # an epoch, at the job's process group). Every rank stops at one agreed step after a
-    # save and says so; torchrun exits 1, and the script makes it 143 and requeues because
-    # 04 marked the folder preempted. A bug in the model exits 1, not requeued (the mark is
-    # this run's only); the final run ends bit for bit as an uninterrupted one.
+    # an epoch, and at every process of the job step, as SLURM's --signal sends it). Every
+    # rank stops at one agreed step after a save and says so; torchrun exits 1, and the
+    # script makes it 143 and requeues because 04 marked the folder preempted. A bug in the
+    # model exits 1, not requeued (the script removes an old mark first); the final run ends
+    # bit for bit as an uninterrupted one.
     expected, _ = reference(1)
     folder = tmp_path / "ckpt"
     job_sh, env = slurm_job(tmp_path, folder)
@@ -148,10 +149,12 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     for moment in moments:
         job = Watched(job_sh, *args, launcher="bash", env=env)
         job.wait_for(moment)
-        if moment == moments[-1]:
-            os.killpg(job.proc.pid, signal.SIGTERM)  # the whole group: the script, torchrun,
-        else:  # its worker and the worker's DataLoader worker
-            os.kill(job.pids_with_cmdline("torch.distributed.run")[0], signal.SIGTERM)
+        [agent] = job.pids_with_cmdline("torch.distributed.run")
+        step = {agent}  # as `--signal=TERM` does, the last time: torchrun and every process
+        if moment == moments[-1]:  # below it (its worker, the worker's DataLoader worker)
+            step |= set(job.pids_with_cmdline(SCRIPT))
+        for pid in step:
+            os.kill(pid, signal.SIGTERM)
         r = job.finish()
         if r.returncode == 0:  # the signal came after the last step: the job had finished
             break
