@@ -99,13 +99,14 @@ LONG += ["--epochs", 1000, "--log-every", 1, "--timeout", 60]
 STEP_2 = "step     2/"  # in 03's progress line: the job is training
 
 
-@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGQUIT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGUSR1])
 def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
     # Ctrl-C, a scheduler's stop (SLURM and Kubernetes send SIGTERM; sbatch --signal, SIGUSR1),
     # a closed terminal, and SIGQUIT (torchrun forwards it): one line, exit 128 + the signal's
     # number (as a shell reports a signalled process), the exit hooks run; no traceback and no
-    # destroy_process_group (on NCCL it could wait for peers). SIGTERM and SIGHUP take the
-    # same path (STOP_SIGNALS): torchrun's SIGTERM below, and SIGHUP ignored under nohup.
+    # destroy_process_group (on NCCL it could wait for peers). SIGINT, SIGTERM and SIGHUP
+    # take the same path (STOP_SIGNALS): Ctrl-C under --spawn and torchrun's SIGTERM below,
+    # SIGHUP ignored under nohup.
     job = Watched("03_ddp_train.py", *LONG, env=exit_hook_env(tmp_path))
     job.wait_for(STEP_2)
     os.kill(job.proc.pid, sig)
