@@ -118,7 +118,8 @@ def main(args):
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
-        say(f"{total_steps} steps of {args.batch_size} images x {args.accum_steps} accum per rank")
+        steps = f"{state.scheduler.total_steps} steps"  # (resume() may have rebuilt the schedule)
+        say(f"{steps} of {args.batch_size} images x {args.accum_steps} accum per rank")
 
     def after_step(last, due=False):
         """Every rank, after each step (last: the epoch's last, whose save and stop wait for
