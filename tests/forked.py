@@ -24,7 +24,7 @@ import torch  # noqa: F401  (imported here so that no forked run pays for it)
 import torch.distributed as dist
 import torchvision  # noqa: F401  (imported here so that no forked run pays for it)
 
-from launch import REPO, load_script
+from launch import REPO, STOP_SIGNALS, load_script
 
 for path in sorted(REPO.glob("0*.py")):
     load_script(path.name)  # what the scripts import is imported now, once
@@ -39,7 +39,7 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
     sys.stderr = io.TextIOWrapper(open(2, "wb", buffering=0, closefd=False), write_through=True)
     # the default action for these, whatever the test session inherited (a background job
     # of a shell ignores SIGINT), as launch.start() gives a launch
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_DFL)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)

@@ -100,12 +100,17 @@ def kill_tree(proc) -> None:
         pass
 
 
+# The signals the scripts end on (their STOP_SIGNALS): every launch, and every forked rank,
+# starts with their default action (or ignores those a test names), whatever the session had.
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+
+
 def start(
     cmd: list[str], env: dict | None = None, gpu: bool = False, ignore=(), cpus=None
 ) -> subprocess.Popen:
     """gpu=False (the CPU lane) hides CUDA from the launch, so --backend auto means Gloo
     even on a machine with GPUs; the GPU lane (tests/test_gpu.py) passes gpu=True. The
-    launch starts with the default action for SIGINT, SIGTERM and SIGHUP, whatever the
+    launch starts with the default action for STOP_SIGNALS, whatever the
     test session inherited (a background job of a shell ignores SIGINT), but for the
     signals in ignore, which it ignores (as under nohup). cpus: the cores it may run on."""
     full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
@@ -116,7 +121,7 @@ def start(
             full_env.pop(name, None)
 
     def dispositions() -> None:  # in the child, before exec: not those of a background shell
-        for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1):
+        for sig in STOP_SIGNALS:
             signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
         if cpus is not None:
             os.sched_setaffinity(0, cpus)

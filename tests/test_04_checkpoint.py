@@ -220,11 +220,9 @@ def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
         ["bash", "-c", f"nohup {' '.join(map(str, command))} > {out} 2>&1 & echo $!"],
         capture_output=True, text=True, timeout=30, env={**os.environ, "CUDA_VISIBLE_DEVICES": ""},
     )  # fmt: skip
-    pid, deadline = int(started.stdout), time.monotonic() + 120
+    pid = int(started.stdout)
     try:
-        while os.path.exists(f"/proc/{pid}") and not zombie(pid):  # the shell has exited
-            assert time.monotonic() < deadline, "the nohup job is still running after 120 s"
-            time.sleep(0.1)  # polling for the job to end, not synchronising with it
+        wait_until_gone([pid], 120, "the nohup job is")  # the shell has exited already
     finally:
         if os.path.exists(f"/proc/{pid}"):
             os.kill(pid, signal.SIGKILL)
@@ -283,14 +281,20 @@ def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     job.wait_for("saved step-00000003.pt")
     workers = job.pids_with_env("RANK", "0") + job.pids_with_env("RANK", "1")
     assert len(workers) == 2, workers
-    killed = time.monotonic()
     os.kill(job.proc.pid, signal.SIGKILL)
-    while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in workers):
-        assert time.monotonic() - killed < 20, "orphaned workers still running after 20 s"
-        time.sleep(0.1)  # polling for the processes to end, not synchronising with them
+    wait_until_gone(workers, 20, "orphaned workers")
     again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).ok()
     assert "resuming from" in again.stdout
     assert final_state(again.stdout) == expected
+
+
+def wait_until_gone(pids: list[int], seconds: float, what: str) -> None:
+    """Until none of pids runs (gone, or a zombie nobody has reaped): polling for the
+    processes to end, not synchronising with them."""
+    deadline = time.monotonic() + seconds
+    while any(os.path.exists(f"/proc/{pid}") and not zombie(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"{what} still running after {seconds:g} s"
+        time.sleep(0.1)
 
 
 def zombie(pid: int) -> bool:
