@@ -149,15 +149,17 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl():
 
 def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
     # cuDNN runs deterministically in 04 on GPUs; the GradScaler's state is in the checkpoint
-    # and comes back on the GPU each rank owns; each step's CUDA random numbers (dropout) are
-    # seeded from the rank and the step. Bitwise resume
+    # and comes back on the GPU each rank owns; each step's CUDA random numbers (dropout:
+    # mobilenet_v3_small has it) are seeded from the rank and the step. Bitwise resume
     # holds at 1 or 2 processes (with 3 or more, DDP's first backward rounds differently), so
     # P = min(W, 2): 512 images in batches of 32 per process are 16 / P steps per epoch, 32
-    # or 16 in all; the failure at step 7 comes after the save at step 6, mid-epoch on both
-    # (the sampler's position and the scaler resume, and the random numbers are drawn again).
+    # or 16 in all; the failure at step 7 comes after the saves at steps 3 and 6, mid-epoch
+    # on both (the sampler's position and the scaler resume, and the random numbers are
+    # drawn again). Step 6's is written in the background and may not be on disk when the
+    # rank fails at step 7: the resume is from step 6 or step 3, bitwise either way.
     nproc = min(GPUS, 2)
-    args = ("--amp", "fp16", "--train-size", 512, "--batch-size", 32, "--epochs", 2)
-    args += ("--save-every", 3)
+    args = ("--arch", "mobilenet_v3_small", "--amp", "fp16", "--train-size", 512)
+    args += ("--batch-size", 32, "--epochs", 2, "--save-every", 3)
     straight = gpu_run(
         "04_checkpoint.py", *args, "--checkpoint-dir", tmp_path / "a", nproc=nproc
     ).ok()
@@ -171,7 +173,7 @@ def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
         nproc=nproc,
         extra=("--max-restarts", 1),
     ).ok()
-    assert re.search(r"^resuming from .*, global step 6$", resumed.stdout, re.M), resumed
+    assert re.search(r"^resuming from .*, global step [36]$", resumed.stdout, re.M), resumed
     assert FINAL_04.search(straight.stdout)[1] == FINAL_04.search(resumed.stdout)[1]
 
 
