@@ -49,6 +49,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import datetime
+import faulthandler
 import os
 import re
 import signal
@@ -132,7 +133,7 @@ def join(args):
             f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method}): "
             f"{why}{hint}"
         ) from e
-    return Dist(rank, world, device)
+    return Dist(rank, world, device, args.timeout)
 
 
 def check_rendezvous_file(path, world):
@@ -309,7 +310,7 @@ def init_method(text):
 # The shared plumbing below, in the order a rank meets it:
 #   launch()       A process that a launcher started (RANK is set: torchrun, or a manual
 #                  launch) runs as its rank, and --spawn is ignored. Else --spawn N starts
-#                  N ranks with mp.spawn (N left out: one per GPU, else 2), and a plain run
+#                  N ranks with mp.spawn (N = 0: one per GPU, else 2), and a plain run
 #                  is a world of one; launch() sets their variables as torchrun would,
 #                  MASTER_ADDR:MASTER_PORT a free port of this machine. Under --spawn it
 #                  waits for the ranks and passes on a signal sent to it alone.
@@ -319,7 +320,13 @@ def init_method(text):
 #                  say), a bug elsewhere keeping its traceback; any of STOP_SIGNALS (every
 #                  signal torchrun forwards, and SIGUSR1): "[rank N] stopped by SIGTERM",
 #                  exit 128 + the signal's number (a signal ignored at start, nohup's
-#                  SIGHUP, stays ignored).
+#                  SIGHUP, stays ignored). After a collective timed out (Gloo), where every
+#                  rank was at its last beat, if all have beaten: "; rank by rank: ['step 2,
+#                  backward', 'step 2, data']" names the rank the collective waited for.
+#   Dist.beat()    A training loop's "I am here": the step and phase ("step 2, data") put
+#                  in the job's store, read by run_rank without a collective; and a
+#                  faulthandler re-armed: a rank with no beat for --timeout + 5 s dumps
+#                  every thread's stack and exits (nothing is left running).
 #   setup()        env:// (or a store it is given): checks the four launcher variables,
 #                  bind_device(), then joins in a thread and waits for it, until --timeout
 #                  + 2 s or a signal: "not all of W ranks joined within Ts (env:// at
@@ -369,20 +376,14 @@ def number(cast, low, high=2**32):
             raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
         return value
 
-    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
 
 
 def add_launch_args(parser):
-    if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
-        parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
     parser.add_argument(
         "--spawn",
-        nargs="?",
-        const=0,
         type=number(int, 0),
-        metavar="N",
-        help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
+        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
     )
     parser.add_argument(
         "--timeout",
@@ -397,7 +398,7 @@ def launch(main, args):
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)
     n = 1  # no launcher and no --spawn: a world of one, through the same code path
-    if args.spawn is not None:  # --spawn N; N left out or 0: one per GPU, else 2
+    if args.spawn is not None:  # --spawn N; 0: one per GPU, else 2
         n = args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
@@ -423,7 +424,7 @@ def launch(main, args):
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(130)  # 128 + SIGINT
 
 
 # The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
@@ -439,17 +440,16 @@ def run_rank(index, main, args):
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
+    code = 1  # unless main returns
     try:
         try:
             main(args)
             code = 0
             why = ""
         except CheckFailed as e:
-            code = 1
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:  # expected: one line says why
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
-            code = 1
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             # Raised in torch.distributed: a collective failed (a peer is gone, say), and
@@ -457,13 +457,22 @@ def run_rank(index, main, args):
             where = traceback.extract_tb(e.__traceback__)[-1].filename
             if not where.startswith(os.path.dirname(dist.__file__)):
                 traceback.print_exc()
-            code = 1
             why = f"error: {type(e).__name__}: {e}"
+            # A collective timed out (Gloo's words): where each rank was at its last beat
+            # (Dist.beat), if every rank has beaten, from the job's store: "; rank by rank:
+            # ['step 2, backward', 'step 2, data']". (Not after a lost peer: a manual launch's
+            # store is rank 0's, and may have gone with it.)
+            with contextlib.suppress(Exception):  # no group yet: nothing to add
+                store = dist.distributed_c10d._get_default_store()
+                keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
+                if "Timed out" in why and store.check(keys):  # get() will not wait
+                    beats = [store.get(key).decode() for key in keys]
+                    why += f"; rank by rank: {beats}"
     # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
     # others, say) arrives while the rank is already ending on an error of its own
     except KeyboardInterrupt as e:
-        code = 128 + signal.Signals[str(e)]
-        why = f"stopped by {e}"
+        code = 128 + e.args[0]
+        why = f"stopped by {signal.Signals(e.args[0]).name}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
     for sig in STOP_SIGNALS:  # ending already: a signal now could only garble the line
@@ -471,14 +480,14 @@ def run_rank(index, main, args):
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
+    with contextlib.suppress(Exception):  # stdout closed or broken: nothing more to say
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
     # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signum)
 
 
 class Dist(NamedTuple):
@@ -487,51 +496,58 @@ class Dist(NamedTuple):
     rank: int
     world_size: int
     device: torch.device
+    timeout: float
+
+    def beat(self, where):
+        """Where this rank is, in the job's store, read without a collective: a rank whose
+        collective fails names where every rank was (run_rank). A rank that
+        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
+        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
+        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
 
 
 def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    env = [os.environ.get(name, "") for name in names]
-    values = [int(v) if v.isdigit() else -1 for v in env]  # missing or not a number: -1
-    rank, world, local_rank, local_world = values
+    # set by the launcher
+    env = {
+        name: os.environ.get(name, "")
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
+    # missing or not a number: -1
+    rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"{', '.join(names)} are {env}: invalid")
+        raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
-    joining = concurrent.futures.ThreadPoolExecutor(1).submit(
-        dist.init_process_group,
-        "nccl" if cuda else "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if cuda else None,
-    )
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        joining.result(timeout + 2)
+        concurrent.futures.ThreadPoolExecutor(1).submit(
+            dist.init_process_group,
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=device if cuda else None,
+        ).result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        raise SetupError(late) from None
+        raise SetupError(
+            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        ) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device)
+    return Dist(rank, world, device, timeout)
 
 
-def bind_device(local_rank, local_world, gloo=False):
+def bind_device(local_rank, local_world, gloo):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
-    affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
-    mine = affinity(0)  # the cores this process may run on
-    if mine < affinity(os.getppid()):  # fewer than its parent's: a launcher bound it alone
-        torch.set_num_threads(len(mine))  # (srun --cpus-per-task=N): all of them are its own
-    else:  # torchrun, mp.spawn: the node's processes share them
-        torch.set_num_threads(max(1, len(mine) // local_world))
+    # the cores this process may run on (Linux), shared by the node's ranks
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()

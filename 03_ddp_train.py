@@ -29,6 +29,7 @@ import atexit
 import concurrent.futures
 import contextlib
 import datetime
+import faulthandler
 import hashlib
 import io
 import math
@@ -84,6 +85,9 @@ def main(args):
         static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
         gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
     )
+    # No copy of rank 0's buffers at each forward (the copy at construction stays): they go to
+    # the others before validation. Set here: 2.15 deprecates the argument, 2.4 lacks its heir.
+    ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     optimizer = build_optimizer(model, args, fused=cuda)
     total_steps = steps_per_epoch * args.epochs
@@ -101,12 +105,15 @@ def main(args):
         train_loader.dataset.epoch = state.epoch
         loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d)
         losses.append(loss)
-        # DDP copies rank 0's buffers to the others only at the start of each forward, so
-        # after the last one each rank's BatchNorm statistics differ: rank 0's on every rank,
-        # so that all evaluate the model rank 0 saves
+        # With broadcast_buffers off (above), each rank's BatchNorm statistics follow its own
+        # shard; rank 0's are copied to every rank now, so that all evaluate the model rank 0
+        # saves. (DDP's default copies them at every forward: a collective per step, which
+        # changes none of rank 0's.)
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
+        val_loss, val_acc, val_count = evaluate(
+            model, val_loader, args, d, f"step {state.step}, evaluation"
+        )
         if d.rank == 0:
             say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
             say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
@@ -171,13 +178,10 @@ def image_folder(root, transform):
 
 
 def load_image(path):
-    """The image at path in RGB, or a SetupError naming the file. 16-bit greyscale (common in
-    scientific and medical imaging) is scaled to 8 bits: converted as it is, it saturates."""
+    """The image at path in RGB, or a SetupError naming the file. (16-bit greyscale, common in
+    scientific and medical imaging, saturates in RGB: NOTES.md says how to scale it.)"""
     try:
-        image = PIL.Image.open(path)
-        if image.mode.startswith("I"):  # "I;16" and kin: values up to 65535
-            image = image.convert("I").point(lambda value: value / 256)  # (I;16B has no point)
-        return image.convert("RGB")
+        return PIL.Image.open(path).convert("RGB")
     except (OSError, SyntaxError, ValueError) as e:  # truncated, or not an image at all
         raise SetupError(f"cannot read image {path}: {e}") from None
 
@@ -276,6 +280,9 @@ def train_one_epoch(model, loader, state, args, d):
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
         for k in range(args.accum_steps):
+            # each rank's phase, for the line that names who is elsewhere if a collective
+            # times out (the shared plumbing, below)
+            d.beat(f"step {state.step}, data")
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
@@ -285,9 +292,11 @@ def train_one_epoch(model, loader, state, args, d):
             # then holds the same average.
             sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
+                d.beat(f"step {state.step}, forward")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
+                d.beat(f"step {state.step}, backward")  # and the gradient all-reduce
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
             sums[0] += loss.detach() * len(labels)
@@ -322,12 +331,13 @@ def all_reduce_metrics(sums):
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, d):
+def evaluate(model, loader, args, d, where):
     """The loss and accuracy over every rank's validation shard, and the number of images."""
     # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
     model.eval()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
+        d.beat(where)
         logits = model(images.to(d.device, args.dtype))
         labels = labels.to(d.device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
@@ -545,20 +555,14 @@ def number(cast, low, high=2**32):
             raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
         return value
 
-    parse.__name__ = cast.__name__  # so that argparse says "invalid int value: 'x'"
     return parse
 
 
 def add_launch_args(parser):
-    if torch.__version__ < (2, 4):  # a TorchVersion: compared as numbers
-        parser.error(f"needs torch >= 2.4; torch {torch.__version__} is installed")
     parser.add_argument(
         "--spawn",
-        nargs="?",
-        const=0,
         type=number(int, 0),
-        metavar="N",
-        help="start N processes with mp.spawn; N left out or 0: one per GPU, else 2",
+        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
     )
     parser.add_argument(
         "--timeout",
@@ -573,7 +577,7 @@ def launch(main, args):
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)
     n = 1  # no launcher and no --spawn: a world of one, through the same code path
-    if args.spawn is not None:  # --spawn N; N left out or 0: one per GPU, else 2
+    if args.spawn is not None:  # --spawn N; 0: one per GPU, else 2
         n = args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
@@ -599,7 +603,7 @@ def launch(main, args):
     except mp.ProcessExitedException as e:  # that rank has printed its own reason
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
     except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
-        sys.exit(128 + signal.SIGINT)
+        sys.exit(130)  # 128 + SIGINT
 
 
 # The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
@@ -615,17 +619,16 @@ def run_rank(index, main, args):
     for sig in STOP_SIGNALS:
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
+    code = 1  # unless main returns
     try:
         try:
             main(args)
             code = 0
             why = ""
         except CheckFailed as e:
-            code = 1
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:  # expected: one line says why
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
-            code = 1
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             # Raised in torch.distributed: a collective failed (a peer is gone, say), and
@@ -633,13 +636,22 @@ def run_rank(index, main, args):
             where = traceback.extract_tb(e.__traceback__)[-1].filename
             if not where.startswith(os.path.dirname(dist.__file__)):
                 traceback.print_exc()
-            code = 1
             why = f"error: {type(e).__name__}: {e}"
+            # A collective timed out (Gloo's words): where each rank was at its last beat
+            # (Dist.beat), if every rank has beaten, from the job's store: "; rank by rank:
+            # ['step 2, backward', 'step 2, data']". (Not after a lost peer: a manual launch's
+            # store is rank 0's, and may have gone with it.)
+            with contextlib.suppress(Exception):  # no group yet: nothing to add
+                store = dist.distributed_c10d._get_default_store()
+                keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
+                if "Timed out" in why and store.check(keys):  # get() will not wait
+                    beats = [store.get(key).decode() for key in keys]
+                    why += f"; rank by rank: {beats}"
     # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
     # others, say) arrives while the rank is already ending on an error of its own
     except KeyboardInterrupt as e:
-        code = 128 + signal.Signals[str(e)]
-        why = f"stopped by {e}"
+        code = 128 + e.args[0]
+        why = f"stopped by {signal.Signals(e.args[0]).name}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
     for sig in STOP_SIGNALS:  # ending already: a signal now could only garble the line
@@ -647,14 +659,14 @@ def run_rank(index, main, args):
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    with contextlib.suppress(AttributeError, OSError, ValueError):  # stdout closed or broken
+    with contextlib.suppress(Exception):  # stdout closed or broken: nothing more to say
         sys.stdout.flush()
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
     # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    raise KeyboardInterrupt(signum)
 
 
 class Dist(NamedTuple):
@@ -663,51 +675,58 @@ class Dist(NamedTuple):
     rank: int
     world_size: int
     device: torch.device
+    timeout: float
+
+    def beat(self, where):
+        """Where this rank is, in the job's store, read without a collective: a rank whose
+        collective fails names where every rank was (run_rank). A rank that
+        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
+        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
+        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
 
 
 def setup(timeout, store=None, gloo=False):
     """Check the launcher's variables, bind this process to its device, join the group."""
-    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    env = [os.environ.get(name, "") for name in names]
-    values = [int(v) if v.isdigit() else -1 for v in env]  # missing or not a number: -1
-    rank, world, local_rank, local_world = values
+    # set by the launcher
+    env = {
+        name: os.environ.get(name, "")
+        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
+    # missing or not a number: -1
+    rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"{', '.join(names)} are {env}: invalid")
+        raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
     # A thread joins and this one waits for it: torch's store waits in C++, where a signal
     # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
     # by another program never answers); this wait ends at either. device_id: NCCL connects
     # now, on this process's GPU.
-    joining = concurrent.futures.ThreadPoolExecutor(1).submit(
-        dist.init_process_group,
-        "nccl" if cuda else "gloo",
-        store=store,
-        rank=rank,
-        world_size=world,
-        timeout=datetime.timedelta(seconds=timeout),
-        device_id=device if cuda else None,
-    )
     where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
     try:
-        joining.result(timeout + 2)
+        concurrent.futures.ThreadPoolExecutor(1).submit(
+            dist.init_process_group,
+            "nccl" if cuda else "gloo",
+            store=store,
+            rank=rank,
+            world_size=world,
+            timeout=datetime.timedelta(seconds=timeout),
+            device_id=device if cuda else None,
+        ).result(timeout + 2)
     except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        late = f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        raise SetupError(late) from None
+        raise SetupError(
+            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
+        ) from None
     except Exception as e:
         first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
         raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device)
+    return Dist(rank, world, device, timeout)
 
 
-def bind_device(local_rank, local_world, gloo=False):
+def bind_device(local_rank, local_world, gloo):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
-    affinity = getattr(os, "sched_getaffinity", lambda pid: {0})  # macOS has none: one thread
-    mine = affinity(0)  # the cores this process may run on
-    if mine < affinity(os.getppid()):  # fewer than its parent's: a launcher bound it alone
-        torch.set_num_threads(len(mine))  # (srun --cpus-per-task=N): all of them are its own
-    else:  # torchrun, mp.spawn: the node's processes share them
-        torch.set_num_threads(max(1, len(mine) // local_world))
+    # the cores this process may run on (Linux), shared by the node's ranks
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
     if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
         return torch.device("cpu")
     gpus = torch.cuda.device_count()

@@ -370,10 +370,9 @@ def test_bad_launcher_variables_are_one_line_naming_them(variables):
     env = {**variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     r = forked(SCRIPT, "--timeout", "5", env=env, timeout=30)
     assert r.returncode == 1, r
-    values = [variables[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")]
+    values = {k: variables[k] for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     assert r.stderr.strip().splitlines() == [
-        f"[rank {variables['RANK']}] error: RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE are "
-        f"{values}: {BAD_LAUNCH}"
+        f"[rank {variables['RANK']}] error: the launcher's variables are invalid: {values}"
     ], r
 
 
@@ -446,7 +445,7 @@ def test_each_rank_binds_its_gpu_or_the_one_it_was_given(gpus, rank, world, devi
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     monkeypatch.setattr(torch.cuda, "set_device", bound.append)
-    assert str(load_script(SCRIPT).bind_device(rank, world)) == device
+    assert str(load_script(SCRIPT).bind_device(rank, world, False)) == device
     assert [str(d) for d in bound] == [device]
 
 
@@ -462,7 +461,7 @@ def test_more_processes_than_gpus_is_refused(gpus, world, visible, monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
     script = load_script(SCRIPT)
     with pytest.raises(script.SetupError) as error:
-        script.bind_device(0, world)
+        script.bind_device(0, world, False)
     assert str(error.value) == f"{world} processes here, {gpus} GPU(s): NCCL needs a GPU each"
 
 
@@ -471,7 +470,7 @@ def test_more_processes_than_gpus_is_refused(gpus, world, visible, monkeypatch):
     [
         (range(16), range(16), 4, 4),  # torchrun, mp.spawn: the node's cores, shared
         (range(2), range(2), 4, 1),  # more processes than cores: one thread each
-        (range(8, 16), range(64), 4, 8),  # srun --cpus-per-task=8: its own 8 cores
+        (range(8, 16), range(64), 4, 2),  # its own 8 cores, shared by the node's 4 ranks
         (range(64), range(8, 16), 4, 16),  # wider than its parent: shared all the same
     ],
 )

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import forked, load_script, run
+from launch import REPO, forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"^summary: \d+ steps, [\d.]+ img/s.*\ntrain loss ([\d.]+) -> ([\d.]+)$", re.M)
@@ -453,12 +453,11 @@ def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has
 
 
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
-    """root/{train,val}/CLASS/i.png: class a 16-bit greyscale (a ramp up to 65535, as
-    scientific and medical images hold), the others 8-bit RGB; and in every class folder a
-    macOS resource fork, ._0.png, which is not an image at all."""
+    """root/{train,val}/CLASS/i.png: class a 8-bit greyscale (a ramp), the others 8-bit RGB;
+    and in every class folder a macOS resource fork, ._0.png, which is not an image at all."""
     from PIL import Image
 
-    ramp = np.arange(size[0] * size[1]).reshape(size) * 65535 // (size[0] * size[1] - 1)
+    ramp = np.arange(size[0] * size[1]).reshape(size) * 255 // (size[0] * size[1] - 1)
     for split in ("train", "val"):
         for c, name in enumerate(classes):
             folder = root / split / name
@@ -466,30 +465,21 @@ def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
             (folder / "._0.png").write_bytes(b"\x00\x05\x16\x07 Mac OS X resource fork")
             for i in range(per_class):
                 if c == 0:
-                    Image.fromarray(ramp.astype(np.uint16)).save(folder / f"{i}.png")
+                    Image.fromarray(ramp.astype(np.uint8)).save(folder / f"{i}.png")
                 else:
                     Image.new("RGB", size, (30 * c, 200, 90)).save(folder / f"{i}.png")
 
 
-def test_16_bit_images_are_scaled_and_hidden_files_skipped(tmp_path):
-    # ImageFolder's RGB conversion saturated 16-bit greyscale (99.6% of pixels became 255)
-    # and read ._0.png as an image (UnidentifiedImageError in training)
+def test_hidden_files_are_skipped(tmp_path):
+    # ImageFolder read ._0.png as an image (UnidentifiedImageError in training)
     image_tree(tmp_path)
     script = load_script(SCRIPT)
     to_tensor = script.torchvision.transforms.PILToTensor()
     train = script.image_folder(tmp_path / "train", to_tensor)
     assert len(train) == 8 and not any("._" in path for path, _ in train.samples)
-    pixels, label = train[0]  # class a's first: the 16-bit ramp, now 8 bits in each channel
+    pixels, label = train[0]  # class a's first: the greyscale ramp, in each RGB channel
     assert label == 0 and pixels.dtype == torch.uint8 and pixels.shape == (3, 20, 20)
-    ramp = torch.arange(400).reshape(20, 20) * 65535 // 399
-    assert (pixels.int() - ramp // 256).abs().max() <= 1  # value / 256, not min(value, 255)
-    assert (pixels == 255).float().mean() < 0.01
-    # the same ramp big-endian, as 16-bit TIFFs often are (Pillow's mode I;16B)
-    from PIL import Image
-
-    tiff = tmp_path / "ramp.tif"
-    Image.frombytes("I;16B", (20, 20), ramp.numpy().astype(">u2").tobytes()).save(tiff)
-    assert torch.equal(to_tensor(script.load_image(str(tiff))), pixels)
+    assert torch.equal(pixels[0], torch.arange(400).reshape(20, 20) * 255 // 399)
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--batch-size", 4, nproc=2).ok()
     assert "8 train / 8 val images" in r.stdout and int(VERIFIED.search(r.stdout)[1]) == 2, r
 
@@ -516,3 +506,45 @@ def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_pat
     assert [line[:8] for line in other] == [f"[rank {1 - int(file.fullmatch(named)[1])}]"], r
     assert other[0].endswith("] stopped by SIGTERM") or "by peer" in other[0], r
     assert "Traceback" not in r.stderr, r
+
+
+def stuck_copy(tmp_path, phase: str):
+    """03, but rank 2 stops for good at step 2 in phase (after its beat there), as a rank
+    whose data loading or forward never returns."""
+    source = (REPO / SCRIPT).read_text()
+    beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
+    stuck = f"{beat[1]}if d.rank == 2 and state.step == 2:\n{beat[1]}    time.sleep(120)\n"
+    path = tmp_path / "stuck.py"
+    path.write_text(source[: beat.end()] + stuck + source[beat.end() :])
+    return path
+
+
+@pytest.mark.parametrize("phase, launcher", [("data", "forked"), ("forward", "torchrun")])
+def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(phase, launcher, tmp_path):
+    # 3 ranks, 4 steps each; rank 2 never finishes step 2's data loading (or forward): the
+    # others wait in step 2's gradient all-reduce until --timeout, then each names where every
+    # rank was at its last beat (Dist.beat, in the job's store). Forked ranks have no launcher
+    # to end rank 2: its faulthandler does, --timeout + 5 s after its last beat, and leaves its
+    # stack; under torchrun the agent ends it (SIGTERM) once the others have failed.
+    args = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 32)
+    r = run(
+        stuck_copy(tmp_path, phase),
+        *args,
+        "--epochs",
+        1,
+        "--timeout",
+        3,
+        launcher=launcher,
+        nproc=3,
+        timeout=90,
+    ).failed()
+    where = f"rank by rank: ['step 2, backward', 'step 2, backward', 'step 2, {phase}']"
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    for rank, line in enumerate(ours[:2]):
+        assert line.startswith(f"[rank {rank}] error: RuntimeError: "), r
+        assert "Timed out waiting 3000ms" in line and line.endswith(where), r
+    if launcher == "forked":  # rank 2's faulthandler: "Timeout (0:00:08)!" and its stack
+        assert "Timeout (0:00:08)!" in r.stderr and "in train_one_epoch" in r.stderr, r
+        assert len(ours) == 2, r
+    else:
+        assert "[rank 2] stopped by SIGTERM" in ours, r

@@ -240,12 +240,12 @@ def test_verify_outlasting_the_timeout_is_not_a_timeout():
 
 
 def test_image_folders_are_read_as_03_reads_them(tmp_path):
-    # 03's reader, the same text here (test_repo): 16-bit greyscale scaled to 8 bits, hidden
-    # files skipped, an unreadable image named in one line
+    # 03's reader, the same text here (test_repo): hidden files skipped, an unreadable image
+    # named in one line
     from PIL import Image
     from test_03_ddp_train import image_tree
 
-    image_tree(tmp_path)  # val: 4 16-bit images of class a, 4 RGB of b, and two ._0.png
+    image_tree(tmp_path)  # val: 4 greyscale images of class a, 4 RGB of b, and two ._0.png
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--timeout", 30, nproc=2).ok()
     assert "evaluated 8 samples on 2 rank(s)" in r.stdout, r
     bad = tmp_path / "val" / "a" / "9.png"

@@ -21,7 +21,6 @@ import shlex
 import tokenize
 
 import pytest
-import torch
 
 from launch import REPO, load_script
 
@@ -255,16 +254,6 @@ def test_no_function_takes_more_than_six_parameters(script):
             if len(params) > MAX_PARAMETERS:
                 too_many.append(f"{getattr(node, 'name', 'lambda')}: {len(params)}")
     assert not too_many, too_many
-
-
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
-def test_an_older_torch_is_refused_naming_both_versions(script, monkeypatch, capsys):
-    parse_args = load_script(script.name).parse_args
-    monkeypatch.setattr(torch, "__version__", torch.torch_version.TorchVersion("2.3.1+cpu"))
-    with pytest.raises(SystemExit) as exit_:
-        parse_args([])
-    assert exit_.value.code == 2
-    assert "needs torch >= 2.4; torch 2.3.1+cpu is installed" in capsys.readouterr().err
 
 
 def option_help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
