@@ -16,6 +16,7 @@ from __future__ import annotations
 import io
 import multiprocessing
 import os
+import resource
 import runpy
 import signal
 import sys
@@ -30,8 +31,11 @@ for path in sorted(REPO.glob("0*.py")):
     load_script(path.name)  # what the scripts import is imported now, once
 
 
-def child(script: str, argv: list[str], env: dict, out: str, err: str) -> None:
-    """script: a path, relative to the repository or absolute (a test's edited copy)."""
+def child(script: str, argv: list[str], env: dict, out: str, err: str, file_size_kb=None) -> None:
+    """script: a path, relative to the repository or absolute (a test's edited copy).
+    file_size_kb: as launch.run's (ulimit -f)."""
+    if file_size_kb:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_kb * 1024,) * 2)
     for fd, path in ((1, out), (2, err)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), fd)
     # as PYTHONUNBUFFERED=1 does for a launch: a rank that is killed has written its lines

@@ -204,8 +204,10 @@ def run(
     file_size_kb: ulimit -f for the launch, so a write past it fails part-way as on a full
     disk (Python ignores SIGXFSZ: write() fails with EFBIG where a full disk gives ENOSPC)."""
     if launcher == "forked":
-        assert not extra and not gpu and not file_size_kb, "a forked run is none of these"
-        return forked(script, *args, nproc=nproc, timeout=timeout, env=env)
+        assert not extra and not gpu, "a forked run is neither"
+        return forked(
+            script, *args, nproc=nproc, timeout=timeout, env=env, file_size_kb=file_size_kb
+        )
     cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
     if file_size_kb:
         cmd = ["bash", "-c", f'ulimit -f {file_size_kb} && exec "$0" "$@"', *cmd]
@@ -277,6 +279,7 @@ def forked(
     nnodes: int = 1,
     timeout: float = 120,
     env: dict | None = None,
+    file_size_kb: int | None = None,
 ) -> Run:
     """Run the script in nproc fresh processes forked from one that has imported torch,
     torchvision and the scripts (tests/forked.py says why): with nproc 1 as `python script`
@@ -284,7 +287,7 @@ def forked(
     processes, local ranks and node ranks included). Every rank runs to its own end (a
     rank whose peer failed ends in its own error, or at its --timeout); the returncode is the
     first non-zero exit code in rank order, else 0. stdout and stderr are every rank's, in
-    rank order."""
+    rank order. file_size_kb: as run()'s."""
     context = forkserver()
     argv = [str(a) for a in args]
     cmd = [f"forked x{nproc}:", script, *argv]
@@ -316,6 +319,7 @@ def forked(
                     {**base, **ranks.get(rank, {})},
                     str(folder / f"{rank}.out"),
                     str(folder / f"{rank}.err"),
+                    file_size_kb,
                 ),
             )
             for rank in range(nproc)

@@ -389,15 +389,15 @@ def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout():
     # twice --timeout (its warning says "retrying (try=0, timeout=..., delay=...)"). The
     # shared setup() ends the process at --timeout + 2 s, if torch has not given up first.
     port = free_port()
-    r = forked(SCRIPT, "--timeout", "3", env=alone(1, "127.0.0.1", port), timeout=60)
+    r = forked(SCRIPT, "--timeout", "1", env=alone(1, "127.0.0.1", port), timeout=60)
     assert r.returncode == 1, r
-    assert r.seconds < 3 + 2 + 3, r  # (torch 2.4.1's client gave up after 2 s)
+    assert r.seconds < 1 + 2 + 3, r  # (torch 2.4.1's client gave up after 2 s)
     [line] = ours(r, 1)
     where = re.escape(f"env:// at 127.0.0.1:{port}")
     assert re.fullmatch(
-        rf"\[rank 1\] error: not all of 2 ranks joined within 3s \({where}\); start the others"
+        rf"\[rank 1\] error: not all of 2 ranks joined within 1s \({where}\); start the others"
         rf"|\[rank 1\] error: cannot join the process group at {where}: The client socket has "
-        rf"timed out after 3(000ms|s) while trying to connect to \(127\.0\.0\.1, {port}\)\.",
+        rf"timed out after 1(000ms|s) while trying to connect to \(127\.0\.0\.1, {port}\)\.",
         line,
     ), r
 
@@ -408,11 +408,11 @@ def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout(
     # 15). The deadline ends it, with one line.
     with socket.create_server(("127.0.0.1", 0)) as squatter:
         port = squatter.getsockname()[1]
-        r = forked(SCRIPT, "--timeout", "3", env=alone(1, "127.0.0.1", port), timeout=60)
+        r = forked(SCRIPT, "--timeout", "1", env=alone(1, "127.0.0.1", port), timeout=60)
     assert r.returncode == 1, r
-    assert 3 + 2 <= r.seconds < 3 + 2 + 3, r
+    assert 1 + 2 <= r.seconds < 1 + 2 + 3, r
     assert r.stderr.strip().splitlines() == [
-        f"[rank 1] error: not all of 2 ranks joined within 3s (env:// at 127.0.0.1:{port}); "
+        f"[rank 1] error: not all of 2 ranks joined within 1s (env:// at 127.0.0.1:{port}); "
         "start the others"
     ], r
 

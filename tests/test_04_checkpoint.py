@@ -133,9 +133,9 @@ def requeues(tmp_path) -> int:
 
 def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_path, reference):
     # What SLURM and Kubernetes do before they kill a job: SIGTERM. The README's batch script
-    # runs 04 under torchrun; SIGTERM reaches torchrun at five moments the script cannot
-    # foresee (before the first step, after a save, in the epoch's validation, part-way into
-    # an epoch, and at every process of the job step, as SLURM's --signal sends it). Every
+    # runs 04 under torchrun; SIGTERM reaches torchrun at four moments the script cannot
+    # foresee (before the first step, after a save, in the epoch's validation, and at every
+    # process of the job step, as SLURM's --signal sends it). Every
     # rank stops at one agreed step after a save and says so; torchrun exits 1, and the
     # script makes it 143 and requeues because 04 marked the folder preempted. A bug in the
     # model exits 1, not requeued (the script removes an old mark first); the final run ends
@@ -144,7 +144,7 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     folder = tmp_path / "ckpt"
     job_sh, env = slurm_job(tmp_path, folder)
     args = [*SMALL, "--log-every", 4, "--workers", 1]  # 1 DataLoader worker: signalled too
-    moments = ["no checkpoint in", "saved step-", "step     8/16", "resuming from", "saved step-"]
+    moments = ["no checkpoint in", "saved step-", "step     8/16", "saved step-"]
     stops = []
     for moment in moments:
         job = Watched(job_sh, *args, launcher="bash", env=env)
@@ -166,7 +166,7 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
         ], r
         stops.append(int(stopped[1]))
         assert (folder / "preempted").exists() and requeues(tmp_path) == len(stops)
-    assert len(stops) >= 4 and stops == sorted(stops), stops
+    assert len(stops) >= 3 and stops == sorted(stops), stops
     # a bug: the same script and folder, the model raising in its forward
     buggy = (
         (REPO / SCRIPT)
