@@ -18,10 +18,12 @@ each rank draws its own dropout masks; the tests check the equivalence to 1e-9 w
 --norm group in float64. Global batch = world size x --batch-size x --accum-steps; --lr is
 used as given: to train the same, keep the global batch.
 Your own model and data: replace build_model() and build_datasets(); nothing else depends
-on their shapes. torch.compile: --compile calls model.compile() before DDP(model); the
-first step waits for the slowest rank's compile, so give --timeout room for it. Needs
-torch >= 2.4. A job that must survive restarts and preemption: 04_checkpoint.py is this
-file plus checkpoints.
+on their shapes. torch.compile: add model.compile() where main() marks it, before
+DDP(model): compiled in place, the model keeps its state_dict's keys (torch.compile(model)
+would add "_orig_mod."); the first step waits for the slowest rank's compile, so give
+--timeout room for it. --metrics PATH: rank 0 appends a JSON line per progress line and
+per epoch; plot_metrics.py draws the learning curve. Needs torch >= 2.4. A job that must
+survive restarts and preemption: 04_checkpoint.py is this file plus checkpoints.
 """
 
 import argparse
@@ -32,6 +34,7 @@ import datetime
 import faulthandler
 import hashlib
 import io
+import json
 import math
 import os
 import signal
@@ -75,8 +78,7 @@ def main(args):
         )
     torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts them too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
-    if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
-        model.compile(backend=args.compile)  # (torch.compile(model) would add "_orig_mod.")
+    # torch.compile: model.compile() here, before DDP (the docstring says why)
     ddp_model = DDP(
         model,
         device_ids=[d.device] if cuda else None,  # CPU: None
@@ -89,7 +91,8 @@ def main(args):
     # the others before validation. Set here: 2.15 deprecates the argument, 2.4 lacks its heir.
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
-    optimizer = build_optimizer(model, args, fused=cuda)
+    # SGD with momentum; OneCycleLR (below) cycles the momentum between 0.85 and 0.95
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
@@ -117,6 +120,7 @@ def main(args):
         if d.rank == 0:
             say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
             say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
+            log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
         state.epoch += 1
 
     # ---- after training: the replica check, the saved model, the summary ----------------
@@ -238,23 +242,7 @@ def build_model(args, num_classes):
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
-        model.unused_layer = nn.Linear(8, 8)
     return model
-
-
-def build_optimizer(model, args, fused):
-    """SGD with momentum; fused (GPUs): one kernel per step, and fp16's GradScaler.step then
-    needs no .item()."""
-    optimizer = torch.optim.SGD(
-        model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4, fused=fused
-    )  # (OneCycleLR, in main, cycles the momentum between 0.85 and 0.95)
-    # A workaround for a PyTorch bug, not DDP: fused SGD makes missing momentum buffers with
-    # torch.empty_like and leaves them unwritten if the first step is skipped (an fp16
-    # overflow), so ranks start from garbage. Made now, as zeros: see NOTES.md
-    for p in model.parameters():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
 
 
 @dataclass
@@ -279,9 +267,11 @@ def train_one_epoch(model, loader, state, args, d):
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
+        step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
             # each rank's phase, for the line that names who is elsewhere if a collective
-            # times out (the shared plumbing, below)
+            # times out (the shared plumbing, below): its data, then its compute (forward,
+            # backward and the gradient all-reduce)
             d.beat(f"step {state.step}, data")
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
@@ -292,16 +282,16 @@ def train_one_epoch(model, loader, state, args, d):
             # then holds the same average.
             sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
-                d.beat(f"step {state.step}, forward")
+                d.beat(f"step {state.step}, compute")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
-                d.beat(f"step {state.step}, backward")  # and the gradient all-reduce
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
-            sums[0] += loss.detach() * len(labels)
-            sums[1] += (logits.argmax(1) == labels).sum()
-            sums[2] += len(labels)
+            step_sums[0] += loss.detach() * len(labels)
+            step_sums[1] += (logits.argmax(1) == labels).sum()
+            step_sums[2] += len(labels)
+        sums += step_sums
         state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         state.scaler.update()
         state.optimizer.zero_grad()
@@ -309,11 +299,15 @@ def train_one_epoch(model, loader, state, args, d):
         state.step += 1
 
         # ---- the progress line, not part of the step ----------------------------------
+        # (this step's loss and accuracy, over every rank's images: a resumed run logs the same)
         if state.step % args.log_every == 0:
-            so_far, acc, _ = all_reduce_metrics(sums)  # every rank: the epoch's loss so far
+            step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
             if d.rank == 0:
-                progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
-                say(f"epoch {state.epoch + 1}  {progress}  loss {so_far:.4f}  acc {acc:6.1%}")
+                say(
+                    f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
+                    f"  loss {step_loss:.4f}  acc {step_acc:6.1%}"
+                )
+                log_metrics(args, state, loss=step_loss, acc=step_acc)
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     # all ranks' images per second (the .tolist() above waited for the GPU)
     return loss, acc, images / (time.perf_counter() - started)
@@ -321,9 +315,8 @@ def train_one_epoch(model, loader, state, args, d):
 
 def all_reduce_metrics(sums):
     """Every rank's running (loss sum, correct, images) summed over all ranks: the mean loss,
-    the accuracy and the number of images. Every rank calls it at the same point, and all
-    stop together if the loss is not finite."""
-    sums = sums.clone()  # the caller's go on counting
+    the accuracy and the number of images (sums becomes the total). Every rank calls it at the
+    same point, and all stop together if the loss is not finite."""
     dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
@@ -344,6 +337,15 @@ def evaluate(model, loader, args, d, where):
         sums[1] += (logits.argmax(1) == labels).sum()
         sums[2] += len(labels)
     return all_reduce_metrics(sums)  # every rank, whatever its number of batches
+
+
+def log_metrics(args, state, **fields):
+    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
+    next step's) and the fields. plot_metrics.py draws the learning curve from it."""
+    if args.metrics:
+        lr = state.scheduler.get_last_lr()[0]
+        with open(args.metrics, "a") as f:
+            print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
 
 
 def verify_replicas_identical(model, d):
@@ -417,7 +419,6 @@ def build_parser():
     parser.add_argument(
         "--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs)"
     )
-    parser.add_argument("--unused-layer", action="store_true", help="a layer forward never calls")
     parser.add_argument(
         "--data",
         type=Path,
@@ -474,10 +475,12 @@ def build_parser():
         help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
     )
     parser.add_argument(
-        "--float64", action="store_true", help="for sharp equivalence checks (slow)"
-    )
-    parser.add_argument(
-        "--compile", metavar="BACKEND", help="model.compile(backend=BACKEND) before DDP"
+        "--float64",
+        dest="dtype",  # args.dtype: the model's and the images' dtype
+        action="store_const",
+        const=torch.float64,
+        default=torch.float32,
+        help="train in float64, for sharp equivalence checks (slow; default: float32)",
     )
     parser.add_argument(
         "--log-every",
@@ -488,19 +491,22 @@ def build_parser():
     parser.add_argument(
         "--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there"
     )
-    k = parser.add_argument_group("DDP knobs")
-    k.add_argument(
+    parser.add_argument(
+        "--metrics", type=output_file, metavar="PATH", help="rank 0 logs JSON lines there"
+    )
+    # DDP's knobs
+    parser.add_argument(
         "--bucket-cap-mb",
         type=number(float, 0),
         help="size of the all-reduce buckets, in MB (default: DDP's, 25)",
     )
-    k.add_argument(
+    parser.add_argument(
         "--find-unused-parameters", action="store_true", help="for parameters that get no gradient"
     )
-    k.add_argument(
+    parser.add_argument(
         "--static-graph", action="store_true", help="the same parameters are used every step"
     )
-    k.add_argument(
+    parser.add_argument(
         "--gradient-as-bucket-view", action="store_true", help="gradients live in the buckets"
     )
     add_launch_args(parser)
@@ -508,9 +514,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    args.dtype = torch.float64 if args.float64 else torch.float32
-    return args
+    return build_parser().parse_args(argv)
 
 
 def output_file(text):

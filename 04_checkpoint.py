@@ -32,7 +32,10 @@ The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read i
 - A second job in the same folder is refused (rank 0 holds a lock), and so are a folder it
   cannot write and a checkpoint that does not fit the model or the settings.
 Under torchrun --max-restarts the ranks restart and resume on their own; a run resumes
-whenever --checkpoint-dir holds checkpoints (start over in a new one). Torch >= 2.4.
+whenever --checkpoint-dir holds checkpoints (start over in a new one). --metrics appends:
+after a resume the steps since the checkpoint are logged again, as the uninterrupted run
+logged them (plot_metrics.py keeps the last line for a step); a validation a stop cut short
+is printed, not logged. Torch >= 2.4.
 """
 
 import argparse
@@ -45,6 +48,7 @@ import fcntl
 import hashlib
 import io
 import itertools
+import json
 import math
 import os
 import signal
@@ -73,7 +77,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 # the options a resume must share with the run it resumes (settings() adds what --data holds;
 # --epochs, --batch-size and --accum-steps may change: resume() rebuilds the schedule)
-SHAPES_THE_RUN = "arch norm sync_bn unused_layer train_size image_size lr amp float64".split()
+SHAPES_THE_RUN = "arch norm sync_bn train_size image_size lr amp dtype".split()
 
 
 def main(args):
@@ -97,8 +101,7 @@ def main(args):
         )
     torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts them too)
     model = build_model(args, num_classes).to(d.device, args.dtype)
-    if args.compile:  # compile the module, then wrap it: its state_dict keeps plain keys
-        model.compile(backend=args.compile)  # (torch.compile(model) would add "_orig_mod.")
+    # torch.compile: model.compile() here, before DDP (the docstring says why)
     ddp_model = DDP(
         model,
         device_ids=[d.device] if cuda else None,  # CPU: None
@@ -111,7 +114,8 @@ def main(args):
     # the others before validation. Set here: 2.15 deprecates the argument, 2.4 lacks its heir.
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
-    optimizer = build_optimizer(model, args, fused=cuda)
+    # SGD with momentum; OneCycleLR (below) cycles the momentum between 0.85 and 0.95
+    optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
@@ -168,6 +172,8 @@ def main(args):
         if d.rank == 0:
             say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
             say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
+            if val_count == len(val_set):  # not one a stop cut short: a resume will not redo it
+                log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
         state.epoch += 1
         state.position = 0
         after_step(last=False, due=True)  # every rank: a save (and a stop, if asked)
@@ -177,13 +183,12 @@ def main(args):
     verified = verify_replicas_identical(model, d)
     if args.save_model:  # the plain model (keys without "module."); the others hear the outcome
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
-    if d.rank == 0 and not losses:  # its checkpoint was the run's last
-        say(f"the run had finished at step {state.step}: nothing to train")
-    elif d.rank == 0:
-        # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
-        say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
-        say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
     if d.rank == 0:
+        if not losses:  # its checkpoint was the run's last
+            say(f"the run had finished at step {state.step}: nothing to train")
+        else:  # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
+            say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
+            say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
 
 
@@ -336,23 +341,7 @@ def build_model(args, num_classes):
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    if args.unused_layer:  # forward never calls it, so its parameters never get a gradient
-        model.unused_layer = nn.Linear(8, 8)
     return model
-
-
-def build_optimizer(model, args, fused):
-    """SGD with momentum; fused (GPUs): one kernel per step, and fp16's GradScaler.step then
-    needs no .item()."""
-    optimizer = torch.optim.SGD(
-        model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4, fused=fused
-    )  # (OneCycleLR, in main, cycles the momentum between 0.85 and 0.95)
-    # A workaround for a PyTorch bug, not DDP: fused SGD makes missing momentum buffers with
-    # torch.empty_like and leaves them unwritten if the first step is skipped (an fp16
-    # overflow), so ranks start from garbage. Made now, as zeros: see NOTES.md
-    for p in model.parameters():
-        optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
-    return optimizer
 
 
 @dataclass
@@ -402,9 +391,11 @@ def train_one_epoch(model, loader, state, args, d, hook):
         # this step's random numbers (dropout) from the rank and the step: a resumed run
         # draws what the interrupted one would have, with no random state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
+        step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
             # each rank's phase, for the line that names who is elsewhere if a collective
-            # times out (the shared plumbing, below)
+            # times out (the shared plumbing, below): its data, then its compute (forward,
+            # backward and the gradient all-reduce)
             d.beat(f"step {state.step}, data")
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
@@ -415,30 +406,35 @@ def train_one_epoch(model, loader, state, args, d, hook):
             # then holds the same average.
             sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
-                d.beat(f"step {state.step}, forward")
+                d.beat(f"step {state.step}, compute")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
-                d.beat(f"step {state.step}, backward")  # and the gradient all-reduce
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
-            sums[0] += loss.detach() * len(labels)
-            sums[1] += (logits.argmax(1) == labels).sum()
-            sums[2] += len(labels)
+            step_sums[0] += loss.detach() * len(labels)
+            step_sums[1] += (logits.argmax(1) == labels).sum()
+            step_sums[2] += len(labels)
+        sums += step_sums
         state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         state.scaler.update()
         state.optimizer.zero_grad()
         state.scheduler.step()
         state.step += 1
         state.position += args.batch_size * args.accum_steps * d.world_size  # over all ranks
-        hook(last=i == steps - 1)  # every rank: main's after_step saves when due, stops if asked
 
         # ---- the progress line, not part of the step ----------------------------------
+        # (this step's loss and accuracy, over every rank's images: a resumed run logs the same;
+        # logged before this step's save, so that a resume from it finds the line)
         if state.step % args.log_every == 0:
-            so_far, acc, _ = all_reduce_metrics(sums)  # every rank: the epoch's loss so far
+            step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
             if d.rank == 0:
-                progress = f"step {state.step:>5}/{state.scheduler.total_steps}"
-                say(f"epoch {state.epoch + 1}  {progress}  loss {so_far:.4f}  acc {acc:6.1%}")
+                say(
+                    f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
+                    f"  loss {step_loss:.4f}  acc {step_acc:6.1%}"
+                )
+                log_metrics(args, state, loss=step_loss, acc=step_acc)
+        hook(last=i == steps - 1)  # every rank: main's after_step saves when due, stops if asked
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     # all ranks' images per second (the .tolist() above waited for the GPU)
     return loss, acc, images / (time.perf_counter() - started)
@@ -446,9 +442,8 @@ def train_one_epoch(model, loader, state, args, d, hook):
 
 def all_reduce_metrics(sums):
     """Every rank's running (loss sum, correct, images) summed over all ranks: the mean loss,
-    the accuracy and the number of images. Every rank calls it at the same point, and all
-    stop together if the loss is not finite."""
-    sums = sums.clone()  # the caller's go on counting
+    the accuracy and the number of images (sums becomes the total). Every rank calls it at the
+    same point, and all stop together if the loss is not finite."""
     dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
@@ -469,6 +464,15 @@ def evaluate(model, loader, args, d, where):
         sums[1] += (logits.argmax(1) == labels).sum()
         sums[2] += len(labels)
     return all_reduce_metrics(sums)  # every rank, whatever its number of batches
+
+
+def log_metrics(args, state, **fields):
+    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
+    next step's) and the fields. plot_metrics.py draws the learning curve from it."""
+    if args.metrics:
+        lr = state.scheduler.get_last_lr()[0]
+        with open(args.metrics, "a") as f:
+            print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
 
 
 def verify_replicas_identical(model, d):
@@ -827,7 +831,6 @@ def build_parser():
     parser.add_argument(
         "--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs)"
     )
-    parser.add_argument("--unused-layer", action="store_true", help="a layer forward never calls")
     parser.add_argument(
         "--data",
         type=Path,
@@ -884,10 +887,12 @@ def build_parser():
         help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
     )
     parser.add_argument(
-        "--float64", action="store_true", help="for sharp equivalence checks (slow)"
-    )
-    parser.add_argument(
-        "--compile", metavar="BACKEND", help="model.compile(backend=BACKEND) before DDP"
+        "--float64",
+        dest="dtype",  # args.dtype: the model's and the images' dtype
+        action="store_const",
+        const=torch.float64,
+        default=torch.float32,
+        help="train in float64, for sharp equivalence checks (slow; default: float32)",
     )
     parser.add_argument(
         "--log-every",
@@ -897,6 +902,9 @@ def build_parser():
     )
     parser.add_argument(
         "--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there"
+    )
+    parser.add_argument(
+        "--metrics", type=output_file, metavar="PATH", help="rank 0 logs JSON lines there"
     )
     c = parser.add_argument_group("checkpoints")
     c.add_argument(
@@ -920,19 +928,19 @@ def build_parser():
         metavar="STEP",
         help="the last rank SIGKILLs itself at this global step, in a run that did not resume",
     )
-    k = parser.add_argument_group("DDP knobs")
-    k.add_argument(
+    # DDP's knobs
+    parser.add_argument(
         "--bucket-cap-mb",
         type=number(float, 0),
         help="size of the all-reduce buckets, in MB (default: DDP's, 25)",
     )
-    k.add_argument(
+    parser.add_argument(
         "--find-unused-parameters", action="store_true", help="for parameters that get no gradient"
     )
-    k.add_argument(
+    parser.add_argument(
         "--static-graph", action="store_true", help="the same parameters are used every step"
     )
-    k.add_argument(
+    parser.add_argument(
         "--gradient-as-bucket-view", action="store_true", help="gradients live in the buckets"
     )
     add_launch_args(parser)
@@ -940,9 +948,7 @@ def build_parser():
 
 
 def parse_args(argv=None):
-    args = build_parser().parse_args(argv)
-    args.dtype = torch.float64 if args.float64 else torch.float32
-    return args
+    return build_parser().parse_args(argv)
 
 
 def output_file(text):

@@ -11,7 +11,12 @@ keep. Every clock is read after the GPU has finished its queued work (a synchron
 bound, and in 03 after each epoch's first step and at its end), and 03's training set grows
 with the process count (16 steps per epoch, or as many as --seconds of the bound's work
 where that is more: on a GPU), so the ratios mean the same at 2 processes or 8. The bound
-uses 03's optimizer (fused SGD on GPUs) and, like 03 on GPUs, cudnn.benchmark.
+uses 03's optimizer (SGD with momentum and weight decay) and, like 03 on GPUs,
+cudnn.benchmark.
+
+It also times what 03's hang forensics add to each micro-batch (issue #38): two
+Dist.beat() calls, each a faulthandler re-arm and a set in the job's store, measured alone
+in the bound's processes, against the bound's step.
 Run from the repo root:
 
   python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
@@ -57,10 +62,8 @@ def bound_worker(args: argparse.Namespace) -> None:
     dist.init_process_group("nccl" if cuda else "gloo", timeout=datetime.timedelta(seconds=120))
     torch.manual_seed(0)
     model = torchvision.models.get_model(args.arch, num_classes=10).to(device)
-    # 03's optimizer: fused on GPUs (one kernel per step), weight decay as 03's default
-    optimizer = torch.optim.SGD(
-        model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4, fused=cuda
-    )
+    # 03's optimizer: SGD with momentum, weight decay as 03's
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, weight_decay=5e-4)
     x = torch.randn(args.batch_size, 3, args.image_size, args.image_size, device=device)
     y = torch.randint(10, (args.batch_size,), device=device)
 
@@ -89,10 +92,33 @@ def bound_worker(args: argparse.Namespace) -> None:
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # the same count on every rank
         steps = int(wanted)
     seconds = timed(steps)
+    beat = beats(rank, 2000)
     if rank == 0:
         images = steps * args.batch_size * dist.get_world_size()
         print(f"bound: {images / seconds:.1f} img/s ({steps} steps in {seconds:.2f} s)")
+        print(f"beats: {beat * 1e6:.1f} us a micro-batch, {beat / (seconds / steps):.3%} of a step")
     dist.destroy_process_group()
+
+
+def beats(rank: int, micro_batches: int) -> float:
+    """Seconds a micro-batch spends in 03's two beats (Dist.beat, the shared block: re-arm
+    the faulthandler, set this rank's key in the job's store), the median of 5 timings."""
+    import faulthandler
+    import statistics
+
+    import torch.distributed as dist
+
+    store = dist.distributed_c10d._get_default_store()
+    timings = []
+    for _ in range(5):
+        start = time.perf_counter()
+        for step in range(micro_batches):
+            for phase in ("data", "compute"):
+                faulthandler.dump_traceback_later(3600, exit=True)
+                store.set(f"beat {rank}", f"step {step}, {phase}")
+        timings.append((time.perf_counter() - start) / micro_batches)
+    faulthandler.cancel_dump_traceback_later()
+    return statistics.median(timings)
 
 
 def run(cmd: list[str]) -> str:
@@ -138,6 +164,8 @@ def main() -> None:
     timing = ["--steps", str(args.steps), "--seconds", str(args.seconds)]
     out = run(torchrun + [__file__, "--bound-worker"] + timing + shape)
     results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
+    beat = re.search(r"beats: ([\d.]+) us a micro-batch, ([\d.]+)% of a step", out)
+    beat_us, beat_share = float(beat[1]), float(beat[2]) / 100
     # 03's epochs: 16 steps, or more where the bound shows that 16 take under --seconds (a
     # GPU), so that 03's own clock also measures seconds, not milliseconds
     global_batch = args.batch_size * args.nproc
@@ -165,6 +193,8 @@ def main() -> None:
         "image_size": args.image_size,
         "batch_size_per_process": args.batch_size,
         "images_per_s": results,
+        "beats_us_per_micro_batch": beat_us,
+        "beats_share_of_a_bound_step": beat_share,
         "date": time.strftime("%Y-%m-%d"),
     }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
@@ -180,6 +210,7 @@ def main() -> None:
     ):
         print(f"  {label:<30} {results[key]:8.1f} img/s")
     print(f"  b/a = {results['b_over_a']:.3f}   c/a = {results['c_over_a']:.3f}")
+    print(f"  beats: {beat_us:.1f} us a micro-batch, {beat_share:.3%} of a bound step")
     print(f"(written to {args.out})")
 
 

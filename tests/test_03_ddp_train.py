@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -74,8 +76,9 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
     assert len(val) == 2  # every validation image counted once, across both ranks
 
 
-@pytest.mark.parametrize("launcher, nproc, images", [("spawn", 2, 66), ("forked", 1, 33)])
-def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, images):
+@pytest.mark.parametrize("nproc, images", [(2, 66), (1, 33)])
+def test_a_last_batch_of_one_image_is_dropped_not_a_crash(nproc, images):
+    # (03's own --spawn launches are test_plumbing's Ctrl-C and frozen-peer jobs)
     # 33 images per rank in batches of 32: the last batch would hold one image, and BatchNorm
     # fails on it in training ("Expected more than 1 value per channel"). Full batches only.
     r = run(
@@ -87,13 +90,34 @@ def test_a_last_batch_of_one_image_is_dropped_not_a_crash(launcher, nproc, image
         "32",
         "--epochs",
         "2",
-        launcher=launcher,
+        launcher="forked",
         nproc=nproc,
     ).ok()
     assert f"on {nproc} x cpu (gloo)" in r.stdout
     assert "2 steps of 32 images x 1 accum per rank" in r.stdout
     assert re.search(r"^summary: 2 steps, ", r.stdout, re.M)
     assert int(VERIFIED.search(r.stdout)[1]) == nproc
+
+
+def test_the_metrics_log_holds_each_progress_line_and_epoch(tmp_path):
+    # --metrics: rank 0 appends a JSON line per progress line (that step's loss and accuracy,
+    # over both ranks' images) and one per epoch (validation, speed): the figures printed.
+    log = tmp_path / "metrics.jsonl"
+    args = [*TINY, "--epochs", 2, "--log-every", 1, "--metrics", log]
+    r = forked(SCRIPT, *args, nproc=2).ok()  # 2 steps an epoch
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(x["step"], "val_loss" in x) for x in lines] == [
+        (1, False), (2, False), (2, True), (3, False), (4, False), (4, True)
+    ]  # fmt: skip
+    progress = re.findall(
+        r"^epoch \d  step\s+(\d+)/4  loss ([\d.]+)  acc\s+([\d.]+)%$", r.stdout, re.M
+    )
+    steps = [x for x in lines if "loss" in x]
+    assert [(str(x["step"]), f"{x['loss']:.4f}", f"{x['acc']:.1%}"[:-1]) for x in steps] == progress
+    val = re.findall(r"^  val loss ([\d.]+) acc ([\d.]+)% on 32 images$", r.stdout, re.M)
+    epochs = [x for x in lines if "val_loss" in x]
+    assert [(f"{x['val_loss']:.4f}", f"{x['val_acc']:.1%}"[:-1]) for x in epochs] == val
+    assert all(x["lr"] > 0 for x in lines) and all(x["img_s"] > 0 for x in epochs)
 
 
 # --- N processes with batch b == one process with batch N*b, over DDP's knobs ----------------
@@ -121,16 +145,13 @@ EQUIV = [
     "60",
 ]
 GLOBAL_BATCH = 6
-STATIC, FIND, VIEW, UNUSED = (
-    "--static-graph",
-    "--find-unused-parameters",
-    "--gradient-as-bucket-view",
-    "--unused-layer",
-)
+STATIC, FIND, VIEW = "--static-graph", "--find-unused-parameters", "--gradient-as-bucket-view"
+# not options: edits of a copy of 03 (edited_copy), as a user would make them
+UNUSED, COMPILE = "unused layer", "compiled"
 SMALL_BUCKETS = ["--bucket-cap-mb", "1"]
 # The knobs that interact, each pair of them in at least one cell (pairwise coverage): DDP's
 # reducer takes all of them, and each changes when or where gradients are all-reduced. Every
-# cell must match one process to 1e-9. --unused-layer (a layer forward never calls) rides with
+# cell must match one process to 1e-9. An unused layer (one forward never calls) rides with
 # --find-unused-parameters and with --static-graph, the two settings that let DDP train it.
 MATRIX = {  # name: (processes, accumulation steps, knobs)
     "static+view": (2, 1, [STATIC, VIEW]),
@@ -141,7 +162,7 @@ MATRIX = {  # name: (processes, accumulation steps, knobs)
     "small_buckets+accum+view": (3, 2, [*SMALL_BUCKETS, VIEW]),
     # model.compile() before DDP (aot_eager: no C compiler needed): DDPOptimizer splits the
     # graph at the buckets, and the result is still one process's
-    "compile+accum": (2, 2, ["--compile", "aot_eager"]),
+    "compile+accum": (2, 2, [COMPILE]),
 }
 
 
@@ -167,14 +188,16 @@ def matrix(tmp_path_factory):
             torch.load(folder / f"ref{accum}.pt", weights_only=True),
         )
     for name, (nproc, accum, knobs) in MATRIX.items():
+        edits = [k for k in knobs if k in (UNUSED, COMPILE)]
+        script = edited_copy(folder / name, *edits) if edits else SCRIPT
         r = forked(
-            SCRIPT,
+            script,
             *EQUIV,
             "--batch-size",
             GLOBAL_BATCH // nproc,
             "--accum-steps",
             accum,
-            *knobs,
+            *[k for k in knobs if k not in edits],
             "--save-model",
             folder / f"{name}.pt",
             nproc=nproc,
@@ -340,6 +363,7 @@ def test_unusable_data_is_a_clear_error(tmp_path):
             ["--save-model", "/tmp"],
             "--save-model: cannot write /tmp: not a file in a writable folder",
         ),
+        (["--metrics", "/tmp"], "--metrics: cannot write /tmp: not a file in a writable folder"),
         (["--batch-size", "0"], "--batch-size: must be >= 1 and < 4294967296, got 0"),
         (["--accum-steps", "0"], "--accum-steps: must be >= 1 and < 4294967296, got 0"),
         (["--val-size", "-1"], "--val-size: must be >= 0 and < 4294967296, got -1"),
@@ -404,52 +428,52 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
-def test_an_unused_layer_fails_and_torch_distributed_debug_names_it():
-    # The most common DDP error. TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names;
-    # --find-unused-parameters and --static-graph fix it (the matrix above trains with both).
-    r = forked(
-        SCRIPT, *TINY, "--unused-layer", nproc=2, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}
-    ).failed()
-    for rank in (0, 1):
-        assert re.search(
+def edited_copy(folder, *edits) -> Path:
+    """A copy of 03 edited as a user would edit it: UNUSED adds a layer that forward never
+    calls (its parameters never get a gradient), COMPILE compiles the model before DDP
+    (aot_eager: no C compiler needed), where 03's main marks the place."""
+    source = (REPO / SCRIPT).read_text()
+    lines = {
+        UNUSED: ("\n    return model\n", "\n    model.unused_layer = nn.Linear(8, 8)"),
+        COMPILE: (
+            "\n    # torch.compile: model.compile() here",
+            '\n    model.compile(backend="aot_eager")',
+        ),
+    }
+    for edit in edits:
+        anchor, line = lines[edit]
+        assert source.count(anchor) == 1, anchor
+        source = source.replace(anchor, line + anchor)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / SCRIPT).write_text(source)
+    return folder / SCRIPT
+
+
+def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):
+    # The most common DDP error, in a copy of 03 with a layer forward never calls.
+    # TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names; --find-unused-parameters and
+    # --static-graph fix it (the matrix above trains with both). Each rank fails at its
+    # second forward; one that ends first may leave the other a lost peer instead.
+    script = edited_copy(tmp_path, UNUSED)
+    r = forked(script, *TINY, nproc=2, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}).failed()
+    failed = {
+        rank: re.search(
             rf"^\[rank {rank}\] error: RuntimeError: Expected to have finished "
             r"reduction in the prior iteration before starting a new one",
             r.stderr,
             re.M,
-        ), r.stderr
-        assert (
-            f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
-            f"unused_layer.weight"
-        ) in r.stderr
-
-
-def test_a_skipped_first_fused_step_leaves_the_momentum_as_a_fresh_optimizer_has_it():
-    # fp16 on GPUs: GradScaler starts at 2**16, so the first step often overflows and is
-    # skipped. Fused SGD would have made its momentum buffers with torch.empty_like and left
-    # them unwritten (garbage, different per rank). The same fused path runs on CPU here.
-    script = load_script(SCRIPT)
-    args = script.parse_args(["--lr", "0.1"])
-    model = torch.nn.Linear(4, 2)
-    optimizer = script.build_optimizer(model, args, fused=True)
-    scaler = torch.amp.GradScaler("cpu")
-    scaler.scale(model(torch.ones(1, 4)).sum() * float("inf")).backward()
-    scaler.step(optimizer)  # inf gradients: skipped
-    scaler.update()
-    assert scaler.get_scale() == 2.0**15  # the overflow was seen and the scale halved
-    for p in model.parameters():
-        assert torch.equal(optimizer.state[p]["momentum_buffer"], torch.zeros_like(p))
-    # the next step starts from zero momentum: the buffer is exactly the first real gradient
-    # (plus weight decay), as a fresh optimizer's first step makes it
-    before = [p.detach().clone() for p in model.parameters()]
-    optimizer.zero_grad()
-    scaler.scale(model(torch.ones(1, 4)).sum()).backward()
-    scaler.step(optimizer)
-    decay = optimizer.defaults["weight_decay"]
-    grads = [torch.ones(2, 4), torch.ones(2)]  # d(sum(W x + b))/dW, /db for x = ones
-    for p, old, grad in zip(model.parameters(), before, grads):
-        first = grad + decay * old
-        assert torch.allclose(optimizer.state[p]["momentum_buffer"], first)
-        assert torch.allclose(p.detach(), old - 0.1 * first)
+        )
+        for rank in (0, 1)
+    }
+    assert any(failed.values()), r
+    for rank, line in failed.items():
+        if line:
+            assert (
+                f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
+                f"unused_layer.weight"
+            ) in r.stderr, r
+        else:  # its peer ended first
+            assert re.search(rf"^\[rank {rank}\] error: .*(peer|Connection)", r.stderr, re.M), r
 
 
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
@@ -519,7 +543,7 @@ def stuck_copy(tmp_path, phase: str):
     return path
 
 
-@pytest.mark.parametrize("phase, launcher", [("data", "forked"), ("forward", "torchrun")])
+@pytest.mark.parametrize("phase, launcher", [("data", "forked"), ("compute", "torchrun")])
 def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(phase, launcher, tmp_path):
     # 3 ranks, 4 steps each; rank 2 never finishes step 2's data loading (or forward): the
     # others wait in step 2's gradient all-reduce until --timeout, then each names where every
@@ -539,7 +563,7 @@ def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(phase, launche
         nproc=3,
         timeout=90,
     ).failed()
-    where = f"rank by rank: ['step 2, backward', 'step 2, backward', 'step 2, {phase}']"
+    where = f"rank by rank: ['step 2, compute', 'step 2, compute', 'step 2, {phase}']"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     for rank, line in enumerate(ours[:2]):
         assert line.startswith(f"[rank {rank}] error: RuntimeError: "), r

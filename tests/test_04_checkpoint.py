@@ -5,6 +5,7 @@ run in the background; the folder is locked, checked and read by number."""
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 import shutil
@@ -63,18 +64,31 @@ def data(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs, by (processes, options), with their checkpoint folders."""
+    """Uninterrupted runs, by (processes, options), with their checkpoint folders; each logs
+    its metrics to metrics.jsonl there."""
     done = {}
 
     def get(nproc: int, *options):
         key = (nproc, *map(str, options))
         if key not in done:
             folder = tmp_path_factory.mktemp("reference")
-            r = forked(SCRIPT, *SMALL, *options, "--checkpoint-dir", folder, nproc=nproc).ok()
+            args = [*SMALL, *options, "--checkpoint-dir", folder]
+            r = forked(SCRIPT, *args, "--metrics", folder / "metrics.jsonl", nproc=nproc).ok()
             done[key] = final_state(r.stdout), folder
         return done[key]
 
     return get
+
+
+def last_per_step(log: Path) -> list[dict]:
+    """The log as plot_metrics.py reads it (the last line for a step and kind), in step order,
+    without the timing (img_s)."""
+    latest = {}
+    for line in log.read_text().splitlines():
+        fields = json.loads(line)
+        fields.pop("img_s", None)
+        latest[fields["step"], "val_loss" in fields] = fields
+    return [latest[key] for key in sorted(latest)]
 
 
 @pytest.mark.parametrize(
@@ -87,9 +101,13 @@ def reference(tmp_path_factory):
 def test_a_killed_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
     nproc, options, fail_at, saved, tmp_path, reference, data
 ):
+    # (and the metrics log: the last line for each step is the uninterrupted run's)
     options = [*data] if options == ["data"] else options
-    expected, _ = reference(nproc, *options)
+    options += ["--log-every", 1]
+    expected, whole = reference(nproc, *options)
+    log = tmp_path / "metrics.jsonl"
     args = [*SMALL, *options, "--checkpoint-dir", tmp_path, "--simulate-failure", fail_at]
+    args += ["--metrics", log]
     crashed = forked(SCRIPT, *args, nproc=nproc).failed()
     assert f"[rank {nproc - 1}] simulated failure at step {fail_at}" in crashed.stdout
     resumed = forked(SCRIPT, *args, nproc=nproc).ok()
@@ -98,6 +116,10 @@ def test_a_killed_run_resumed_ends_bitwise_equal_to_an_uninterrupted_one(
     assert step in saved, resumed
     assert "simulated failure" not in resumed.stdout  # only in a run that did not resume
     assert final_state(resumed.stdout) == expected
+    assert len(log.read_text().splitlines()) > len(
+        (whole / "metrics.jsonl").read_text().splitlines()
+    )
+    assert last_per_step(log) == last_per_step(whole / "metrics.jsonl")
 
 
 def slurm_job(tmp_path, folder, script=SCRIPT):
@@ -139,11 +161,13 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     # rank stops at one agreed step after a save and says so; torchrun exits 1, and the
     # script makes it 143 and requeues because 04 marked the folder preempted. A bug in the
     # model exits 1, not requeued (the script removes an old mark first); the final run ends
-    # bit for bit as an uninterrupted one.
-    expected, _ = reference(1)
+    # bit for bit as an uninterrupted one, and its metrics log (the last line for each step)
+    # as the uninterrupted run's.
+    expected, whole = reference(1, "--log-every", 4)
     folder = tmp_path / "ckpt"
     job_sh, env = slurm_job(tmp_path, folder)
     args = [*SMALL, "--log-every", 4, "--workers", 1]  # 1 DataLoader worker: signalled too
+    args += ["--metrics", tmp_path / "metrics.jsonl"]
     moments = ["no checkpoint in", "saved step-", "step     8/16", "saved step-"]
     stops = []
     for moment in moments:
@@ -185,6 +209,11 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     r = Watched(job_sh, *args, launcher="bash", env=env).finish()
     assert r.returncode == 0, r
     assert final_state(r.stdout) == expected
+    # Every step's line as the uninterrupted run's; a validation that a stop cut short is
+    # not logged (nor redone after the resume), so the validation lines are a subset.
+    got, want = last_per_step(tmp_path / "metrics.jsonl"), last_per_step(whole / "metrics.jsonl")
+    assert [x for x in got if "loss" in x] == [x for x in want if "loss" in x]
+    assert all(x in want for x in got) and any("val_loss" in x for x in got), got
 
 
 def test_a_stop_in_validation_under_timeout_ends_in_seconds_with_its_save(tmp_path):
@@ -497,9 +526,11 @@ def test_a_checkpoint_from_other_settings_or_another_model_is_refused(tmp_path, 
         f"there, 96 here; --lr 0.05 there, 0.1 here. Resume with the same ones or use another "
         f"--checkpoint-dir"
     ) in r.stderr
-    # the model changed (a layer more), as when build_model is edited: one line, no traceback
-    r = forked(SCRIPT, *args, "--unused-layer", "--find-unused-parameters").failed()
-    assert "settings: --unused-layer False there, True here." in r.stderr
+    # a setting that shapes the model: GroupNorm for BatchNorm
+    r = forked(SCRIPT, *args, "--norm", "group").failed()
+    assert "settings: --norm batch there, group here." in r.stderr
+    # the model changed (a layer fewer in the checkpoint), as when build_model is edited:
+    # one line, no traceback
     saved = torch.load(tmp_path / "step-00000016.pt", weights_only=True)
     del saved["model"][next(reversed(saved["model"]))]  # the last layer's bias, say
     torch.save(saved, tmp_path / "step-00000016.pt")
@@ -549,8 +580,8 @@ def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
 
 
 def test_a_compiled_models_state_dict_keeps_plain_keys():
-    # 04 compiles the module in place (model.compile(), before DDP): its state_dict, and so
-    # every checkpoint, keeps the keys of the plain model, which a model compiled or not
+    # 04's advice: compile the module in place (model.compile(), before DDP): its state_dict,
+    # and so every checkpoint, keeps the keys of the plain model, which a model compiled or not
     # loads; torch.compile(model) would add "_orig_mod.". (03's equivalence matrix trains a
     # compiled model under DDP; compiling costs seconds a run.)
     import torchvision

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from launch import run
+from launch import REPO, run
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -69,7 +69,7 @@ def test_03_fp16_with_grad_scaler_and_sync_bn_trains_and_replicas_match(nproc):
     # 512 P images in batches of 64 per GPU: 8 steps per epoch at any P, the same one-cycle
     # learning rates (at 1024 images, 8 GPUs had 2 steps per epoch and the loss test failed).
     # P = 1: SyncBatchNorm's one-process path (plain batch_norm), and fp16's first steps,
-    # skipped while GradScaler's scale comes down, start from zero momentum (fused SGD).
+    # skipped while GradScaler's scale comes down (SGD makes its momentum at the first real one).
     r = gpu_run(
         "03_ddp_train.py",
         *("--amp", "fp16", "--sync-bn", "--train-size", 512 * nproc, "--val-size", 256),
@@ -126,13 +126,17 @@ def test_03_two_gpus_train_exactly_like_one_with_twice_the_batch(tmp_path):
     assert diff < 1e-9, f"max abs difference {diff:.3g} between 2 GPUs and one"
 
 
-def test_03_unused_layer_is_named_with_debug_detail_on_nccl():
+def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
     # On Gloo (CUDA build, no GPU) DETAIL crashes DDP's constructor in torch 2.14.1; the CPU
     # lane uses INFO. This shows whether DETAIL works where users run it.
     # 128 W images in batches of 32 per GPU: 4 steps at any W (DDP fails at the second)
+    # A copy of 03 with a layer forward never calls (as tests/test_03_ddp_train.py makes it)
+    source = (REPO / "03_ddp_train.py").read_text()
+    anchor = "\n    return model\n"
+    script = tmp_path / "03_ddp_train.py"
+    script.write_text(source.replace(anchor, "\n    model.unused_layer = nn.Linear(8, 8)" + anchor))
     r = gpu_run(
-        "03_ddp_train.py",
-        "--unused-layer",
+        script,
         "--train-size",
         128 * GPUS,
         "--val-size",
