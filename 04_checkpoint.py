@@ -110,8 +110,11 @@ def main(args):
         static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
         gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
     )
-    # No copy of rank 0's buffers at each forward (the copy at construction stays): they go to
-    # the others before validation. Set here: 2.15 deprecates the argument, 2.4 lacks its heir.
+    # DDP's default copies rank 0's buffers (BatchNorm's statistics) to every rank at each
+    # forward, a collective per step; off here (the copy at construction stays), and main
+    # copies them once an epoch, before validation. An attribute, not DDP(...,
+    # broadcast_buffers=False): 2.15 deprecates that for forward_sync_buffers=, which 2.4
+    # lacks; the attribute works on both (a property in 2.15).
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     # SGD with momentum; OneCycleLR (below) cycles the momentum between 0.85 and 0.95
@@ -394,8 +397,10 @@ def train_one_epoch(model, loader, state, args, d, hook):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
             # each rank's phase, for the line that names who is elsewhere if a collective
-            # times out (the shared plumbing, below): its data, then its compute (forward,
-            # backward and the gradient all-reduce)
+            # times out: its data, then its compute (forward, backward and the gradient
+            # all-reduce). Dist.beat (the shared plumbing, below) writes it to the job's
+            # store, no collective, and re-arms a watchdog that dumps this rank's stacks and
+            # ends it if no beat comes for --timeout + 5 s.
             d.beat(f"step {state.step}, data")
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
@@ -904,7 +909,7 @@ def build_parser():
         "--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there"
     )
     parser.add_argument(
-        "--metrics", type=output_file, metavar="PATH", help="rank 0 logs JSON lines there"
+        "--metrics", type=output_file, metavar="PATH", help="rank 0 appends JSON lines there"
     )
     c = parser.add_argument_group("checkpoints")
     c.add_argument(
@@ -1013,7 +1018,7 @@ def add_launch_args(parser):
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)
+        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
     n = 1  # no launcher and no --spawn: a world of one, through the same code path
     if args.spawn is not None:  # --spawn N; 0: one per GPU, else 2
         n = args.spawn or torch.cuda.device_count() or 2
@@ -1024,7 +1029,7 @@ def launch(main, args):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)
+        run_rank(0, main, args)  # (never returns)
     ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
 
     # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a

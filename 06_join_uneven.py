@@ -407,7 +407,7 @@ def add_launch_args(parser):
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)
+        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
     n = 1  # no launcher and no --spawn: a world of one, through the same code path
     if args.spawn is not None:  # --spawn N; 0: one per GPU, else 2
         n = args.spawn or torch.cuda.device_count() or 2
@@ -418,7 +418,7 @@ def launch(main, args):
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)
+        run_rank(0, main, args)  # (never returns)
     ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
 
     # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
