@@ -149,6 +149,8 @@ def build_datasets(args):
     # torchvision's ImageNet recipe: random crops and flips to train (each image's drawn from
     # its own seed: SeededAugmentation, below), a centre crop to validate
     # (pretrained weights would also want ImageNet's mean and std: T.Normalize(...))
+    # Small images (digits, 32 px icons): crops down to 8% of the image lose what it shows,
+    # and flips change a digit; use RandomResizedCrop(size, scale=(0.6, 1)), no flip (NOTES.md)
     augment = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor()])
     centre = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor()])  # 224 of 256
     train_set = image_folder(args.data / "train", augment)
