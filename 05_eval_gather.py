@@ -136,12 +136,13 @@ def build_dataset(args):
 
 
 def image_folder(root, transform):
-    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files: macOS's ._x.png
-    are not images. 03, 04 and 05 read --data with it."""
+    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png
+    are not images) or hidden folders (file browsers' .thumbnails/ are not training data).
+    03, 04 and 05 read --data with it."""
 
     def is_image(path):
-        name = os.path.basename(path)
-        return name.lower().endswith(IMG_EXTENSIONS) and not name.startswith(".")
+        inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
+        return inside.lower().endswith(IMG_EXTENSIONS) and "/." not in f"/{inside}"
 
     try:
         return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -494,13 +495,22 @@ def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
                     Image.new("RGB", size, (30 * c, 200, 90)).save(folder / f"{i}.png")
 
 
-def test_hidden_files_are_skipped(tmp_path):
-    # ImageFolder read ._0.png as an image (UnidentifiedImageError in training)
+def test_hidden_files_and_folders_are_skipped(tmp_path):
+    # ImageFolder read ._0.png as an image (UnidentifiedImageError in training), and trained
+    # the images of a hidden folder inside a class (a file browser's .thumbnails/) as that
+    # class. A hidden folder above the split (data kept under ~/.cache, say) hides nothing.
     image_tree(tmp_path)
+    thumbnails = tmp_path / "train" / "a" / ".thumbnails"
+    thumbnails.mkdir()
+    for i in range(4):
+        shutil.copy(tmp_path / "train" / "a" / f"{i}.png", thumbnails / f"{i}.png")
     script = load_script(SCRIPT)
     to_tensor = script.torchvision.transforms.PILToTensor()
     train = script.image_folder(tmp_path / "train", to_tensor)
-    assert len(train) == 8 and not any("._" in path for path, _ in train.samples)
+    assert len(train) == 8 and not any("/." in path for path, _ in train.samples)
+    cached = tmp_path / ".cache" / "train"
+    shutil.copytree(tmp_path / "train", cached)
+    assert len(script.image_folder(cached, to_tensor)) == 8
     pixels, label = train[0]  # class a's first: the greyscale ramp, in each RGB channel
     assert label == 0 and pixels.dtype == torch.uint8 and pixels.shape == (3, 20, 20)
     assert torch.equal(pixels[0], torch.arange(400).reshape(20, 20) * 255 // 399)
