@@ -236,7 +236,9 @@ class SeededAugmentation(Dataset):
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
-            torch.manual_seed(self.epoch * len(self.dataset) + index)  # one per (epoch, image)
+            # one seed per (epoch, image), for the CPU's generator alone: torch.manual_seed
+            # would reseed the GPU's too (dropout's), at every image the main process loads
+            torch.default_generator.manual_seed(self.epoch * len(self.dataset) + index)
             return self.dataset[index]
 
 

@@ -253,6 +253,23 @@ def test_random_augmentation_on_two_ranks_with_workers_equals_one_process(tmp_pa
 # --- single runs of the other knobs ----------------------------------------------------------
 
 
+def test_seeded_augmentation_leaves_the_gpus_random_stream_alone(monkeypatch):
+    # With --workers 0 the main process loads the images: reseeding the GPU's generator
+    # there (torch.manual_seed does) would set dropout's masks from the last image's seed.
+    # Checked without a GPU: torch.manual_seed reaches the GPUs through this function.
+    script = load_script(SCRIPT)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "manual_seed_all", calls.append)
+    torch.manual_seed(0)
+    assert calls == [0]  # (the path a GPU's reseeding takes)
+    data = script.SeededAugmentation(script.synthetic_images(4, 8, split=0))
+    before = torch.random.get_rng_state()
+    first = data[1]
+    assert calls == [0], calls  # no reseeding of the GPUs
+    assert torch.equal(torch.random.get_rng_state(), before)  # nor of this process's stream
+    assert torch.equal(data[1][0], first[0])
+
+
 def test_bf16_autocast_on_cpu_trains_and_replicas_match():
     # This tests the script's bf16 path, not oneDNN's kernels. On the 2-core x86 VM we run
     # on, oneDNN's AVX-512/AMX bf16 kernels give different gradients for the same batch
