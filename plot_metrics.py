@@ -16,6 +16,7 @@ uninterrupted run would have logged it. A line that is not JSON (torn by a crash
 """
 
 import argparse
+import html
 import json
 import os
 import sys
@@ -62,7 +63,8 @@ def svg(series, title):
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="12">',
         f'<rect width="{WIDTH}" height="{height}" fill="white"/>',
-        f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="14">{escape(title)}</text>',
+        f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="14">'
+        f"{html.escape(title)}</text>",
     ]
     for panel, name in enumerate(PANELS):
         mine = [s for s in SERIES if s[3] == panel and s[0] in series]
@@ -112,10 +114,6 @@ def svg(series, title):
         out.append("</g>")
     out.append("</svg>")
     return "\n".join(out) + "\n"
-
-
-def escape(text):
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
 
 
 def main(argv=None):

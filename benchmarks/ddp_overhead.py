@@ -14,7 +14,7 @@ where that is more: on a GPU), so the ratios mean the same at 2 processes or 8. 
 uses 03's optimizer (SGD with momentum and weight decay) and, like 03 on GPUs,
 cudnn.benchmark.
 
-It also times what 03's hang forensics add to each micro-batch (issue #38): two
+It also times what 03's hang forensics add to each micro-batch (issue #38): two of 03's own
 Dist.beat() calls, each a faulthandler re-arm and a set in the job's store, measured alone
 in the bound's processes, against the bound's step.
 Run from the repo root:
@@ -101,23 +101,29 @@ def bound_worker(args: argparse.Namespace) -> None:
 
 
 def beats(rank: int, micro_batches: int) -> float:
-    """Seconds a micro-batch spends in 03's two beats (Dist.beat, the shared block: re-arm
-    the faulthandler, set this rank's key in the job's store), the median of 5 timings."""
+    """Seconds a micro-batch spends in 03's two beats: its own Dist.beat (the shared block:
+    re-arm the faulthandler, set this rank's key in the job's store), called as 03's loop
+    calls it; the median of 5 timings."""
     import faulthandler
+    import importlib.util
     import statistics
 
+    import torch
     import torch.distributed as dist
 
-    store = dist.distributed_c10d._get_default_store()
+    spec = importlib.util.spec_from_file_location("ddp_train", REPO / "03_ddp_train.py")
+    script = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = script  # (its dataclass looks its module up there)
+    spec.loader.exec_module(script)  # the definitions only: no __main__ block
+    d = script.Dist(rank, dist.get_world_size(), torch.device("cpu"), timeout=3600.0)
     timings = []
     for _ in range(5):
         start = time.perf_counter()
         for step in range(micro_batches):
-            for phase in ("data", "compute"):
-                faulthandler.dump_traceback_later(3600, exit=True)
-                store.set(f"beat {rank}", f"step {step}, {phase}")
+            d.beat(f"step {step}, data")
+            d.beat(f"step {step}, compute")
         timings.append((time.perf_counter() - start) / micro_batches)
-    faulthandler.cancel_dump_traceback_later()
+    faulthandler.cancel_dump_traceback_later()  # the last beat's watchdog
     return statistics.median(timings)
 
 

@@ -472,6 +472,32 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
     pytest.fail(f"no launch printed {text!r} before the deadline")
 
 
+# Edits a user makes to 03 that are not options (edited_copy)
+UNUSED, COMPILE = "unused layer", "compiled"
+
+
+def edited_copy(folder: Path, *edits: str) -> Path:
+    """A copy of 03_ddp_train.py in folder, edited as a user would edit it: UNUSED adds a
+    layer that forward never calls (its parameters never get a gradient), COMPILE compiles
+    the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place."""
+    script = "03_ddp_train.py"
+    source = (REPO / script).read_text()
+    lines = {
+        UNUSED: ("\n    return model\n", "\n    model.unused_layer = nn.Linear(8, 8)"),
+        COMPILE: (
+            "\n    # torch.compile: model.compile() here",
+            '\n    model.compile(backend="aot_eager")',
+        ),
+    }
+    for edit in edits:
+        anchor, line = lines[edit]
+        assert source.count(anchor) == 1, anchor
+        source = source.replace(anchor, line + anchor)
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / script).write_text(source)
+    return folder / script
+
+
 def load_script(script: str):
     """Import a script as a module (its __main__ block does not run): for argument checks."""
     import importlib.util

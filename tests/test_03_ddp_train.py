@@ -5,13 +5,12 @@ from __future__ import annotations
 import json
 import re
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from launch import REPO, forked, load_script, run
+from launch import COMPILE, REPO, UNUSED, edited_copy, forked, load_script, run
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"^summary: \d+ steps, [\d.]+ img/s.*\ntrain loss ([\d.]+) -> ([\d.]+)$", re.M)
@@ -147,8 +146,7 @@ EQUIV = [
 ]
 GLOBAL_BATCH = 6
 STATIC, FIND, VIEW = "--static-graph", "--find-unused-parameters", "--gradient-as-bucket-view"
-# not options: edits of a copy of 03 (edited_copy), as a user would make them
-UNUSED, COMPILE = "unused layer", "compiled"
+# UNUSED and COMPILE (launch.py) are not options: edits of a copy of 03 (edited_copy)
 SMALL_BUCKETS = ["--bucket-cap-mb", "1"]
 # The knobs that interact, each pair of them in at least one cell (pairwise coverage): DDP's
 # reducer takes all of them, and each changes when or where gradients are all-reduced. Every
@@ -444,27 +442,6 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     assert model.read_bytes() == b"an earlier run's weights"
     # no temporary file left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
-
-
-def edited_copy(folder, *edits) -> Path:
-    """A copy of 03 edited as a user would edit it: UNUSED adds a layer that forward never
-    calls (its parameters never get a gradient), COMPILE compiles the model before DDP
-    (aot_eager: no C compiler needed), where 03's main marks the place."""
-    source = (REPO / SCRIPT).read_text()
-    lines = {
-        UNUSED: ("\n    return model\n", "\n    model.unused_layer = nn.Linear(8, 8)"),
-        COMPILE: (
-            "\n    # torch.compile: model.compile() here",
-            '\n    model.compile(backend="aot_eager")',
-        ),
-    }
-    for edit in edits:
-        anchor, line = lines[edit]
-        assert source.count(anchor) == 1, anchor
-        source = source.replace(anchor, line + anchor)
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / SCRIPT).write_text(source)
-    return folder / SCRIPT
 
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from launch import REPO, run
+from launch import UNUSED, edited_copy, run
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -130,13 +130,9 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
     # On Gloo (CUDA build, no GPU) DETAIL crashes DDP's constructor in torch 2.14.1; the CPU
     # lane uses INFO. This shows whether DETAIL works where users run it.
     # 128 W images in batches of 32 per GPU: 4 steps at any W (DDP fails at the second)
-    # A copy of 03 with a layer forward never calls (as tests/test_03_ddp_train.py makes it)
-    source = (REPO / "03_ddp_train.py").read_text()
-    anchor = "\n    return model\n"
-    script = tmp_path / "03_ddp_train.py"
-    script.write_text(source.replace(anchor, "\n    model.unused_layer = nn.Linear(8, 8)" + anchor))
+    # a copy of 03 with a layer forward never calls
     r = gpu_run(
-        script,
+        edited_copy(tmp_path, UNUSED),
         "--train-size",
         128 * GPUS,
         "--val-size",

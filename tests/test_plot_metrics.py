@@ -12,6 +12,16 @@ from launch import PYTHON, REPO
 SVG = "{http://www.w3.org/2000/svg}"
 
 
+def draw(log, out) -> subprocess.CompletedProcess:
+    """`python plot_metrics.py LOG --out OUT`, as a user runs it."""
+    return subprocess.run(
+        [PYTHON, REPO / "plot_metrics.py", log, "--out", out],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_the_picture_holds_the_logs_points(tmp_path):
     log = tmp_path / "metrics.jsonl"
     lines = [
@@ -26,12 +36,7 @@ def test_the_picture_holds_the_logs_points(tmp_path):
     text = "".join(json.dumps(line) + "\n" for line in lines)
     log.write_text(text + '{"step": 5, "lr": 0.0, "lo')  # torn by a crash: skipped
     out = tmp_path / "curve.svg"
-    done = subprocess.run(
-        [PYTHON, REPO / "plot_metrics.py", log, "--out", out],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = draw(log, out)
     assert done.returncode == 0, done
     assert done.stdout == f"{out}: 12 points\n"
     drawn = {}
@@ -53,11 +58,6 @@ def test_a_log_without_points_is_one_line_and_no_picture(tmp_path):
     log = tmp_path / "empty.jsonl"
     log.write_text("")
     out = tmp_path / "curve.svg"
-    done = subprocess.run(
-        [PYTHON, REPO / "plot_metrics.py", log, "--out", out],
-        capture_output=True,
-        text=True,
-        timeout=60,
-    )
+    done = draw(log, out)
     assert (done.returncode, done.stderr) == (1, f"error: cannot draw {log}: no point to draw\n")
     assert not out.exists()
