@@ -55,20 +55,24 @@ def main() -> None:
     folder = Path(tempfile.mkdtemp(dir=options.dir)) / "checkpoints"
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29_000 + os.getpid() % 1000))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=datetime.timedelta(60))
+    cuda = torch.cuda.is_available()  # on a GPU: the model, its steps and its state there
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    backend = "nccl" if cuda else "gloo"
+    dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(60))
     args = m.parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
-    d = m.Dist(0, 1, torch.device("cpu"))
+    d = m.Dist(0, 1, device, 60.0)
+    shape = {"--arch": args.arch}  # what 04 keeps of the run's settings (any dict will do)
     m.lock(folder)  # as rank 0 does at start: makes the folder, holds its lock
     writer = m.Writer()
-    model = m.build_model(args, 10)
+    model = m.build_model(args, 10).to(device)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9)
     for p in model.parameters():
         optimizer.state[p]["momentum_buffer"] = torch.zeros_like(p)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, 1000)
-    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    scaler = torch.amp.GradScaler(device.type, enabled=False)
     state = m.TrainState(model, optimizer, scheduler, scaler)
-    images = torch.randn(options.batch_size, 3, 32, 32)
-    labels = torch.randint(10, (options.batch_size,))
+    images = torch.randn(options.batch_size, 3, 32, 32, device=device)
+    labels = torch.randint(10, (options.batch_size,), device=device)
 
     def step() -> None:
         loss = F.cross_entropy(model(images), labels)
@@ -76,6 +80,8 @@ def main() -> None:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         state.step += 1
+        if cuda:
+            torch.cuda.synchronize()  # a step is timed until its GPU work has run
 
     def timed(action) -> float:
         started = time.perf_counter()
@@ -84,14 +90,14 @@ def main() -> None:
 
     for _ in range(3):  # warm-up: allocator, first writes
         step()
-    m.save(state, writer, args, d)
+    m.save(state, writer, args, d, shape)
     writer.finish()
     inline, background, busy, quiet = [], [], [], []
     for _ in range(options.repeats):
         step()
-        inline.append(timed(lambda: (m.save(state, writer, args, d), writer.finish())))
+        inline.append(timed(lambda: (m.save(state, writer, args, d, shape), writer.finish())))
         step()
-        background.append(timed(lambda: m.save(state, writer, args, d)))
+        background.append(timed(lambda: m.save(state, writer, args, d, shape)))
         steps = 0
         started = time.perf_counter()
         while writer.thread.is_alive():  # training goes on while the thread writes
@@ -104,7 +110,8 @@ def main() -> None:
     inline_s, background_s = statistics.median(inline), statistics.median(background)
     print(
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, "
-        f"{os.cpu_count()} CPUs; checkpoint {size:.0f} MB in {folder.parent}"
+        f"{os.cpu_count()} CPUs, {torch.cuda.get_device_name(0) if cuda else 'no GPU'}; "
+        f"checkpoint {size:.0f} MB in {folder.parent}"
     )
     print(f"inline save blocks     {1000 * inline_s:8.1f} ms  (median of {options.repeats})")
     print(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import signal
 import socket
 import subprocess
@@ -496,6 +497,18 @@ def edited_copy(folder: Path, *edits: str) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     (folder / script).write_text(source)
     return folder / script
+
+
+def stuck_copy(tmp_path: Path, phase: str, rank: int = 2) -> Path:
+    """03, but one rank stops for good at step 2 in phase (after its beat there), as a rank
+    whose data loading or forward never returns."""
+    source = (REPO / "03_ddp_train.py").read_text()
+    beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
+    indent = beat[1]
+    stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    time.sleep(120)\n"
+    path = tmp_path / "stuck.py"
+    path.write_text(source[: beat.end()] + stuck + source[beat.end() :])
+    return path
 
 
 def load_script(script: str):

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from launch import COMPILE, REPO, UNUSED, edited_copy, forked, load_script, run
+from launch import COMPILE, UNUSED, edited_copy, forked, load_script, run, stuck_copy
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"^summary: \d+ steps, [\d.]+ img/s.*\ntrain loss ([\d.]+) -> ([\d.]+)$", re.M)
@@ -534,17 +534,6 @@ def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_pat
     assert [line[:8] for line in other] == [f"[rank {1 - int(file.fullmatch(named)[1])}]"], r
     assert other[0].endswith("] stopped by SIGTERM") or "by peer" in other[0], r
     assert "Traceback" not in r.stderr, r
-
-
-def stuck_copy(tmp_path, phase: str):
-    """03, but rank 2 stops for good at step 2 in phase (after its beat there), as a rank
-    whose data loading or forward never returns."""
-    source = (REPO / SCRIPT).read_text()
-    beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
-    stuck = f"{beat[1]}if d.rank == 2 and state.step == 2:\n{beat[1]}    time.sleep(120)\n"
-    path = tmp_path / "stuck.py"
-    path.write_text(source[: beat.end()] + stuck + source[beat.end() :])
-    return path
 
 
 @pytest.mark.parametrize("phase, launcher", [("data", "forked"), ("compute", "torchrun")])

@@ -18,7 +18,7 @@ import re
 import pytest
 import torch
 
-from launch import UNUSED, edited_copy, run
+from launch import UNUSED, edited_copy, run, stuck_copy
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -145,6 +145,24 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
     ).failed()
     assert "Expected to have finished reduction in the prior iteration" in r.stderr, r
     assert "did not receive grad for rank 0: unused_layer.bias, unused_layer.weight" in r.stderr
+
+
+def test_03_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
+    # One process that never returns from step 2's forward, as a GPU hang looks from Python:
+    # with no peer to time out, its own watchdog (faulthandler, re-armed at every beat) ends
+    # it --timeout + 5 s after its last beat, with its stack, on a process bound to a GPU.
+    # (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
+    args = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 32)
+    r = run(
+        stuck_copy(tmp_path, "compute", rank=0),
+        *(*args, "--epochs", 1, "--timeout", 3),
+        launcher="torchrun",
+        nproc=1,
+        gpu=True,
+        timeout=120,
+    ).failed()
+    assert "on 1 x cuda (nccl)" in r.stdout, r
+    assert "Timeout (0:00:08)!" in r.stderr and "in train_one_epoch" in r.stderr, r
 
 
 def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
