@@ -147,7 +147,7 @@ def image_folder(root, transform):
     try:
         return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
-        raise SetupError(f"--data {root.parent}: {e}") from e
+        raise SetupError(f"--data {root}: {e}") from e  # names the split
 
 
 def load_image(path):
@@ -155,7 +155,9 @@ def load_image(path):
     scientific and medical imaging, saturates in RGB: NOTES.md says how to scale it.)"""
     try:
         return PIL.Image.open(path).convert("RGB")
-    except (OSError, SyntaxError, ValueError) as e:  # truncated, or not an image at all
+    # truncated, not an image at all, or a decompression bomb: a header claiming more than
+    # twice PIL.Image.MAX_IMAGE_PIXELS (about 179 megapixels), refused before decoding
+    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 

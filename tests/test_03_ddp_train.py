@@ -337,8 +337,16 @@ def test_train_and_val_with_different_classes_are_refused(tmp_path):
 
 
 def test_unusable_data_is_a_clear_error(tmp_path):
+    from PIL import Image
+
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
+    # a class with images in train and none in val: the message names the split
+    split = tmp_path / "split"
+    for folder in ("train/a", "train/b", "val/a", "val/b"):
+        (split / folder).mkdir(parents=True)
+    for folder in ("train/a", "train/b", "val/a"):
+        Image.new("RGB", (8, 8)).save(split / folder / "0.png")
     for args, message in [
         (
             ["--train-size", "64", "--batch-size", "32", "--accum-steps", "4"],
@@ -351,13 +359,14 @@ def test_unusable_data_is_a_clear_error(tmp_path):
         (["--train-size", "1"], "each rank has 0 full batch(es) of 128 images"),
         (
             ["--data", tmp_path],
-            f"--data {tmp_path}: Couldn't find any class folder in {tmp_path}/train",
+            f"--data {tmp_path}/train: Couldn't find any class folder in {tmp_path}/train",
         ),
         (
             ["--data", "/nonexistent/imagenet"],
-            "--data /nonexistent/imagenet: [Errno 2] No such file or directory: "
+            "--data /nonexistent/imagenet/train: [Errno 2] No such file or directory: "
             "'/nonexistent/imagenet/train'",
         ),
+        (["--data", split], f"--data {split}/val: Found no valid file for the classes b."),
     ]:
         r = forked(SCRIPT, *args, "--timeout", "30").failed()
         assert f"[rank 0] error: {message}" in r.stderr
@@ -510,6 +519,26 @@ def test_hidden_files_and_folders_are_skipped(tmp_path):
     assert torch.equal(pixels[0], torch.arange(400).reshape(20, 20) * 255 // 399)
     r = forked(SCRIPT, "--data", tmp_path, "--image-size", 16, "--batch-size", 4, nproc=2).ok()
     assert "8 train / 8 val images" in r.stdout and int(VERIFIED.search(r.stdout)[1]) == 2, r
+
+
+def test_a_decompression_bomb_is_named_like_any_unreadable_image(tmp_path):
+    # A PNG whose header claims 20000 x 10000 pixels, past twice PIL's MAX_IMAGE_PIXELS: PIL
+    # refuses it at open (DecompressionBombError, no OSError), before decoding anything. It
+    # was a traceback that did not name the file.
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return (
+            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+        )
+
+    bomb = tmp_path / "bomb.png"
+    header = struct.pack(">IIBBBBB", 20000, 10000, 8, 2, 0, 0, 0)  # RGB, 8 bits
+    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
+    script = load_script(SCRIPT)
+    with pytest.raises(script.SetupError, match=rf"^cannot read image {re.escape(str(bomb))}: "):
+        script.load_image(bomb)
 
 
 @pytest.mark.parametrize("workers", [0, 1])
