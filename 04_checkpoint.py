@@ -129,8 +129,10 @@ def main(args):
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
-        steps = f"{state.scheduler.total_steps} steps"  # (resume() may have rebuilt the schedule)
-        say(f"{steps} of {args.batch_size} images x {args.accum_steps} accum per rank")
+        say(  # (resume() may have rebuilt the schedule)
+            f"{state.scheduler.total_steps} steps of {args.batch_size} images x "
+            f"{args.accum_steps} accum per rank"
+        )
 
     def after_step(last, due=False):
         """Every rank, after each step (last: the epoch's last, whose save and stop wait for
@@ -699,6 +701,9 @@ def save(state, writer, args, d, shape):
     and a thread writes it while training goes on."""
     finite = all(p.isfinite().all() for p in state.model.parameters())  # (on every rank)
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
+    # rank 0 may still be writing the previous checkpoint: a collective that times out
+    # meanwhile names this phase (a slow disk wants a --timeout longer than a write)
+    d.beat(f"step {state.step}, save")
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict()

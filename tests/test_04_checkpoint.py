@@ -356,6 +356,29 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert final_state(again.stdout) == expected
 
 
+def test_a_write_slower_than_the_timeout_is_named_by_the_rank_that_waited(tmp_path):
+    # A slow disk: rank 0's thread takes 4 s to write step 3's checkpoint, --timeout is 2 s.
+    # At step 4's save every rank waits for that write (Writer.finish: rank 0 joins its
+    # thread, rank 1 waits for rank 0's word) and rank 1 times out first. Its line says
+    # where both were: in the save, not in training; rank 0 finishes the write (nothing
+    # lost) and ends in one line too. It read "Timed out ... recv" and named nobody.
+    source = (REPO / SCRIPT).read_text()
+    anchor = '    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")\n'
+    assert source.count(anchor) == 1
+    slow = '    if path.suffix == ".pt":\n        time.sleep(4)  # a slow disk\n'
+    (tmp_path / "slow_disk.py").write_text(source.replace(anchor, slow + anchor))
+    folder = tmp_path / "ckpt"
+    args = [*SMALL, "--checkpoint-dir", folder, "--timeout", 2]
+    r = forked(tmp_path / "slow_disk.py", *args, nproc=2).failed()
+    ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
+    assert sorted(ours) == ["[rank 0]", "[rank 1]"], r
+    assert "Timed out waiting 2000ms" in ours["[rank 1]"], r
+    assert ours["[rank 1]"].endswith("; rank by rank: ['step 4, save', 'step 4, save']"), r
+    saved = folder / "step-00000003.pt"  # whole: its sha256 marker (written last) matches it
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    assert (folder / "step-00000003.pt.sha256").read_text() == f"{digest}  {saved.name}\n", r
+
+
 def test_two_nodes_recover_when_only_one_agent_counts_the_restart(tmp_path, reference):
     # Two torchrun agents, one worker each. Rank 1's worker is killed; its agent counts a
     # restart (TORCHELASTIC_RESTART_COUNT=1). Rank 0's worker is frozen meanwhile, so its
