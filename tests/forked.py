@@ -31,9 +31,11 @@ for path in sorted(REPO.glob("0*.py")):
     load_script(path.name)  # what the scripts import is imported now, once
 
 
-def child(script: str, argv: list[str], env: dict, out: str, err: str, file_size_kb=None) -> None:
+def child(
+    script: str, argv: list[str], env: dict, out: str, err: str, file_size_kb=None, ignore=()
+) -> None:
     """script: a path, relative to the repository or absolute (a test's edited copy).
-    file_size_kb: as launch.run's (ulimit -f)."""
+    file_size_kb: as launch.run's (ulimit -f); ignore: signals ignored, as launch.start's."""
     if file_size_kb:
         resource.setrlimit(resource.RLIMIT_FSIZE, (file_size_kb * 1024,) * 2)
     for fd, path in ((1, out), (2, err)):
@@ -44,9 +46,15 @@ def child(script: str, argv: list[str], env: dict, out: str, err: str, file_size
     # the default action for these, whatever the test session inherited (a background job
     # of a shell ignores SIGINT), as launch.start() gives a launch
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_DFL)
+        signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)
+    # a sitecustomize on the run's PYTHONPATH (a test's exit hooks), as a fresh interpreter
+    # would import it at start-up
+    for folder in env.get("PYTHONPATH", "").split(os.pathsep):
+        if folder and os.path.exists(os.path.join(folder, "sitecustomize.py")):
+            runpy.run_path(os.path.join(folder, "sitecustomize.py"))
+            break
     # multiprocessing's default start method (DataLoader workers use it), not the inherited
     # forkserver's
     multiprocessing.set_start_method(None, force=True)

@@ -9,6 +9,7 @@ costs one test its deadline instead of costing CI its run.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import re
@@ -366,10 +367,15 @@ class Watched:
         ignore=(),
         cpus=None,
     ):
-        self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
         self.started = time.monotonic()
         self.deadline = self.started + timeout
-        self.proc = start(self.cmd, env, ignore=ignore, cpus=cpus)
+        if launcher == "forked":  # one process, as `python script` (forked(): no import wait)
+            assert not extra and cpus is None, "a forked watch is one process, no launcher"
+            self.cmd = ["forked x1:", script, *map(str, args)]
+            self.proc = _ForkedProcess(script, [str(a) for a in args], env, ignore)
+        else:
+            self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)
+            self.proc = start(self.cmd, env, ignore=ignore, cpus=cpus)
         self.lines: queue.Queue = queue.Queue()
         self.err_lines: queue.Queue = queue.Queue()
         self.out: list[str] = []
@@ -452,6 +458,49 @@ class Watched:
         for reader in self.readers:
             reader.join(timeout=10)
         return self._run(self.proc.returncode)
+
+
+class _ForkedProcess:
+    """A Watched launch's process, forked from the forkserver as forked() forks a rank, with
+    what Watched uses of a Popen: pid, wait(), returncode, and stdout and stderr to read
+    line by line (FIFOs: the child opens them as its files 1 and 2)."""
+
+    def __init__(self, script: str, argv: list[str], env: dict | None, ignore) -> None:
+        folder = Path(tempfile.mkdtemp(prefix="forked-watch-"))
+        fifos = [folder / "out", folder / "err"]
+        for fifo in fifos:
+            os.mkfifo(fifo)
+        base = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARS}
+        base.update(CUDA_VISIBLE_DEVICES="", **(env or {}))
+        self.process = forkserver().Process(
+            target=_forked_rank,
+            args=(script, argv, base, str(fifos[0]), str(fifos[1]), None, tuple(ignore)),
+        )
+        self.process.start()
+        self.stdout, self.stderr = map(_fifo_lines, fifos)  # read by Watched's threads
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self.process.join(timeout)
+        if self.process.exitcode is None:
+            raise subprocess.TimeoutExpired("forked run", timeout)
+        return self.process.exitcode
+
+
+def _fifo_lines(fifo: Path):
+    """The lines written into fifo; its open waits for the writer's (in a reader thread)."""
+    with open(fifo, encoding="utf-8") as f:
+        fifo.unlink(missing_ok=True)  # both ends are open: the name is not needed
+        with contextlib.suppress(OSError):  # the second of the two empties the folder
+            fifo.parent.rmdir()
+        yield from f
 
 
 def wait_for_any(jobs: list[Watched], text: str) -> Watched:

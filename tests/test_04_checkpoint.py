@@ -339,7 +339,7 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     # only a temporary one: the folder still holds the checkpoint before it, whole, and the
     # rerun resumes from it (or from step N, if the write ended first), bit for bit.
     expected, _ = reference(1)
-    job = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path)
+    job = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="forked")
     job.wait_for("saved step-00000003.pt")
     deadline, writing = time.monotonic() + 60, []
     while not writing:  # a write lasts a few ms; the folder is looked at every ms
@@ -486,7 +486,7 @@ def test_a_folder_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
 def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference):
     # Two jobs in one folder pruned and overwrote each other's checkpoints, and both ended
     # "verified". Rank 0 holds a lock on DIR/.lock for its job's life.
-    first = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path)
+    first = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="forked")
     first.wait_for("saved step-00000003.pt")  # the first job is under way
     os.kill(first.proc.pid, signal.SIGSTOP)  # and stays so, however fast this machine is
     try:

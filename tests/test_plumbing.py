@@ -107,7 +107,7 @@ def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
     # destroy_process_group (on NCCL it could wait for peers). SIGINT, SIGTERM and SIGHUP
     # take the same path (STOP_SIGNALS): Ctrl-C under --spawn and torchrun's SIGTERM below,
     # SIGHUP ignored under nohup.
-    job = Watched("03_ddp_train.py", *LONG, env=exit_hook_env(tmp_path))
+    job = Watched("03_ddp_train.py", *LONG, launcher="forked", env=exit_hook_env(tmp_path))
     job.wait_for(STEP_2)
     os.kill(job.proc.pid, sig)
     r = job.finish()
@@ -119,7 +119,7 @@ def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
 def test_a_signal_that_was_ignored_stays_ignored(tmp_path):
     # nohup ignores SIGHUP so that a job outlives its terminal: the script keeps it so
     args = [*LONG[:-6], "--epochs", 3, "--timeout", 60]
-    job = Watched("03_ddp_train.py", *args, ignore=[signal.SIGHUP])
+    job = Watched("03_ddp_train.py", *args, launcher="forked", ignore=[signal.SIGHUP])
     job.wait_for("epoch 1 done")
     os.kill(job.proc.pid, signal.SIGHUP)
     r = job.finish()
