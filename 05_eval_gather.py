@@ -68,8 +68,11 @@ def main(args):
     n = len(dataset)
     started = clock(d.device)
     mine = torch.arange(d.rank, n, d.world_size)  # each sample exactly once, no padding
-    sums, rows = evaluate(model, dataset, mine, args, d.device)
+    sums, rows = evaluate(model, dataset, mine, args, d)
     seconds = clock(d.device) - started
+    # Where this rank is, for the line that names who is behind if a collective times out
+    # (Dist.beat, the shared plumbing: its evaluation's batch, then here).
+    d.beat("gather")
     # 1. all_reduce: sums of counts are all a scalar metric needs.
     dist.all_reduce(sums)  # op=SUM, the default
     metrics = metrics_from_sums(sums)
@@ -214,9 +217,10 @@ def clock(device):
 
 
 @torch.inference_mode()
-def evaluate(model, dataset, indices, args, device):
+def evaluate(model, dataset, indices, args, d):
     """Evaluate dataset[i] for i in indices (a tensor). Returns the sums (correct, count,
     loss) and one row (index, prediction, label) per sample, in the order of indices."""
+    device = d.device
     loader = DataLoader(
         Subset(dataset, indices.tolist()),
         batch_size=args.batch_size,
@@ -225,7 +229,8 @@ def evaluate(model, dataset, indices, args, device):
     )
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     results = [torch.zeros(0, 2, dtype=torch.long, device=device)]  # a shard may be empty
-    for images, labels in loader:
+    for i, (images, labels) in enumerate(loader):
+        d.beat(f"evaluation, batch {i}")  # (in the job's store: no collective)
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
@@ -271,7 +276,7 @@ def verify_against_one_process(model, dataset, args, d, metrics):
     # would take. Rank 0 alone would keep the others waiting in a collective: past
     # --timeout if its evaluation is long, and for --timeout again if it fails.
     everything = torch.arange(len(dataset))
-    sums, _ = evaluate(model, dataset, everything, args, d.device)
+    sums, _ = evaluate(model, dataset, everything, args, d)
     alone = metrics_from_sums(sums)
     close = math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9)
     same = alone["correct"] == metrics["correct"] and close

@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from launch import forked, load_script, run
+from launch import REPO, forked, load_script, run
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
@@ -217,6 +217,23 @@ def test_a_model_with_nan_weights_is_named_as_the_cause(tmp_path):
         assert f"[rank {rank}] error: --checkpoint {checkpoint}: its weights hold NaN or inf" in (
             r.stderr
         ), r
+
+
+def test_a_rank_behind_in_its_evaluation_is_named_by_the_others(tmp_path):
+    # Rank 1 takes 4 s over its second batch (slow storage, say), --timeout is 2 s: rank 0,
+    # done with its shard, times out in the all_reduce and names where each rank was
+    # (Dist.beat: each batch, then the gather). It said "Timed out ... recv" and no more.
+    source = (REPO / SCRIPT).read_text()
+    anchor = '        d.beat(f"evaluation, batch {i}")'
+    assert source.count(anchor) == 1
+    slow = f"{anchor}\n        if d.rank == 1 and i == 1:\n            time.sleep(4)"
+    (tmp_path / "slow.py").write_text(source.replace(anchor, slow))
+    args = ["--val-size", 64, "--image-size", 16, "--batch-size", 8, "--timeout", 2]
+    r = forked(tmp_path / "slow.py", *args, nproc=2).failed()
+    ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
+    assert sorted(ours) == ["[rank 0]", "[rank 1]"], r  # rank 1: its peer gone, one line
+    assert "Timed out waiting 2000ms" in ours["[rank 0]"], r
+    assert ours["[rank 0]"].endswith("; rank by rank: ['gather', 'evaluation, batch 1']"), r
 
 
 def test_verify_outlasting_the_timeout_is_not_a_timeout():
