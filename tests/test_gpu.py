@@ -14,9 +14,11 @@ comments).
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed
 
 from launch import UNUSED, edited_copy, run, stuck_copy
 
@@ -26,6 +28,22 @@ pytestmark = [
     pytest.mark.skipif(GPUS == 0, reason="needs a CUDA GPU: NCCL runs on GPUs only"),
 ]
 two_gpus = pytest.mark.skipif(GPUS < 2, reason="needs 2 CUDA GPUs")
+# torch 2.15's backend="nccl" builds the torchcomms-based engine (ProcessGroupNCCL2) unless
+# TORCH_DIST_USE_NCCL2=0 selects the one before it (distributed_c10d.py,
+# _register_builtin_nccl_backend): where the switch exists, every test runs on both.
+SWITCH = "TORCH_DIST_USE_NCCL2"
+TWO_ENGINES = SWITCH in Path(torch.distributed.distributed_c10d.__file__).read_text()
+
+
+@pytest.fixture(autouse=True, params=["nccl2", "legacy"] if TWO_ENGINES else ["nccl"])
+def engine(request, monkeypatch):
+    """The NCCL engine the test's launches use (they inherit this environment)."""
+    monkeypatch.delenv(SWITCH, raising=False)
+    if request.param == "legacy":
+        monkeypatch.setenv(SWITCH, "0")
+    return request.param
+
+
 NCCL = ("--timeout", "120")  # with CUDA visible, every script picks NCCL
 VERIFIED_03 = re.compile(r"^verified: (\d+) rank\(s\) hold identical parameters", re.M)
 FINAL_04 = re.compile(
