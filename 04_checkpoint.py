@@ -84,7 +84,7 @@ def main(args):
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
-    store = attempt_store(args.timeout)  # under torchrun --max-restarts: one per attempt
+    store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
     cuda = d.device.type == "cuda"
     preemption = Preemption(args.timeout)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
@@ -769,13 +769,14 @@ def prune(folder, keep):
 
 
 def attempt_store(timeout):
-    """Under torchrun --max-restarts, a fresh TCPStore per attempt: the agent's outlives
-    restarts with the dead group's keys, and restart counts differ by node (NOTES.md). Rank 0
-    posts its port in the agent's store; the others use it once it answers. No restarts: the
-    agent's (None)."""
+    """Where torchrun shares its agent's store with the workers (torch 2.15), a TCPStore of
+    this attempt's own, hosted by rank 0 as elsewhere: the agent's outlives restarts with the
+    dead group's keys, restart counts differ by node, and an agent killed outright takes it
+    along, with every rank's beats, before the ranks can stop and save (NOTES.md). Rank 0
+    posts its port in the agent's store; the others use it once it answers. Otherwise None:
+    init's own store, in rank 0's process."""
     env = os.environ
-    restarts = env.get("TORCHELASTIC_MAX_RESTARTS", "0") != "0"
-    if not restarts or env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+    if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = env["MASTER_ADDR"]
     limit = datetime.timedelta(seconds=timeout)

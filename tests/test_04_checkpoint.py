@@ -304,16 +304,25 @@ def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path)
 
 def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     # SIGKILL to the torchrun agent: nobody forwards anything. Each worker sees its parent
-    # gone within a second, and they stop as on a signal (SIGHUP); nothing keeps the lock.
-    expected, _ = reference(2)
-    job = Watched(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, launcher="torchrun", nproc=2)
+    # gone within a second, and they stop as on a signal (SIGHUP), after a save; nothing
+    # keeps the lock. On torch 2.15 the job's store was the agent's: it went with the agent,
+    # and every rank's next beat ended it ("error: Broken pipe", no save). 04 now hosts its
+    # own (attempt_store). 6 epochs: the job must still be training a second after the kill.
+    expected, _ = reference(2, "--epochs", 6)
+    args = (*SMALL, "--epochs", 6, "--checkpoint-dir", tmp_path)
+    job = Watched(SCRIPT, *args, launcher="torchrun", nproc=2)
     job.wait_for("saved step-00000003.pt")
     workers = job.pids_with_env("RANK", "0") + job.pids_with_env("RANK", "1")
     assert len(workers) == 2, workers
     os.kill(job.proc.pid, signal.SIGKILL)
     wait_until_gone(workers, 20, "orphaned workers")
-    again = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).ok()
-    assert "resuming from" in again.stdout
+    r = job.finish()  # the agent's exit status; the workers' lines came through its pipes
+    stopped = re.search(r"^stopping on SIGHUP at step (\d+): run the same", r.stdout, re.M)
+    assert stopped and f"saved step-{int(stopped[1]):08d}.pt" in r.stdout, r
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    assert ours == ["[rank 0] stopped by SIGHUP", "[rank 1] stopped by SIGHUP"], r
+    again = forked(SCRIPT, *args, nproc=2).ok()
+    assert f"global step {stopped[1]}" in again.stdout, again
     assert final_state(again.stdout) == expected
 
 
@@ -642,11 +651,10 @@ def test_bad_arguments_are_usage_errors(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_without_restarts_the_agents_store_stays(monkeypatch):
-    # torchrun without --max-restarts: no attempt can follow, so the agent's store (which
-    # outlives rank 0) stays the group's; NCCL relays its flight-recorder dump signal there
-    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "True")
-    monkeypatch.setenv("TORCHELASTIC_MAX_RESTARTS", "0")
+def test_where_torchrun_keeps_its_store_to_itself_04_uses_inits(monkeypatch):
+    # torch 2.4.1's torchrun (TORCHELASTIC_USE_AGENT_STORE=False), --spawn and plain runs:
+    # init's store is rank 0's already, and 04 adds none (2.15's torchrun: the test above)
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
     assert load_script(SCRIPT).attempt_store(5) is None
 
 
