@@ -68,7 +68,7 @@ def main(args):
     n = len(dataset)
     started = clock(d.device)
     mine = torch.arange(d.rank, n, d.world_size)  # each sample exactly once, no padding
-    sums, rows = evaluate(model, dataset, mine, args, d)
+    sums, rows = evaluate(model, dataset, mine, args, d, "evaluation")
     seconds = clock(d.device) - started
     # Where this rank is, for the line that names who is behind if a collective times out
     # (Dist.beat, the shared plumbing: its evaluation's batch, then here).
@@ -217,9 +217,10 @@ def clock(device):
 
 
 @torch.inference_mode()
-def evaluate(model, dataset, indices, args, d):
+def evaluate(model, dataset, indices, args, d, where):
     """Evaluate dataset[i] for i in indices (a tensor). Returns the sums (correct, count,
-    loss) and one row (index, prediction, label) per sample, in the order of indices."""
+    loss) and one row (index, prediction, label) per sample, in the order of indices.
+    where: the phase each batch beats (Dist.beat); None: no beats."""
     device = d.device
     loader = DataLoader(
         Subset(dataset, indices.tolist()),
@@ -230,7 +231,8 @@ def evaluate(model, dataset, indices, args, d):
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     results = [torch.zeros(0, 2, dtype=torch.long, device=device)]  # a shard may be empty
     for i, (images, labels) in enumerate(loader):
-        d.beat(f"evaluation, batch {i}")  # (in the job's store: no collective)
+        if where:  # (in the job's store: no collective)
+            d.beat(f"{where}, batch {i}")
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
@@ -275,8 +277,11 @@ def verify_against_one_process(model, dataset, args, d, metrics):
     # Every rank does it, each on its own device or share of the cores, in the time one
     # would take. Rank 0 alone would keep the others waiting in a collective: past
     # --timeout if its evaluation is long, and for --timeout again if it fails.
+    # No collective waits on it, so no beats (rank 0, the store's host, may have ended) and
+    # no watchdog (it would end a check that takes longer than --timeout + 5 s).
+    faulthandler.cancel_dump_traceback_later()
     everything = torch.arange(len(dataset))
-    sums, _ = evaluate(model, dataset, everything, args, d)
+    sums, _ = evaluate(model, dataset, everything, args, d, None)
     alone = metrics_from_sums(sums)
     close = math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9)
     same = alone["correct"] == metrics["correct"] and close
