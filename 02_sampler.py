@@ -337,6 +337,14 @@ def run_rank(index, main, args):
                 if "Timed out" in why and store.check(keys):  # get() will not wait
                     beats = [store.get(key).decode() for key in keys]
                     why += f"; rank by rank: {beats}"
+        finally:
+            # Ending already: a signal from now on could only garble the line. One that
+            # arrives before this loop is done is caught below, like one arriving in the
+            # handlers above; after it, none can escape (an unhandled KeyboardInterrupt ends
+            # Python by SIGINT, with no line: torchrun's SIGTERM did so to a rank ending on
+            # its own error, about one run in six here).
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
     # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
     # others, say) arrives while the rank is already ending on an error of its own
     except KeyboardInterrupt as e:
@@ -344,8 +352,6 @@ def run_rank(index, main, args):
         why = f"stopped by {signal.Signals(e.args[0]).name}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
-    for sig in STOP_SIGNALS:  # ending already: a signal now could only garble the line
-        signal.signal(sig, signal.SIG_IGN)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip

@@ -16,7 +16,7 @@ import subprocess
 import pytest
 import torch
 
-from launch import LAUNCH_VARS, PYTHON, REPO, Watched, exit_hook_env, forked, hooks_that_ran, run
+from launch import LAUNCH_VARS, PYTHON, REPO, Watched, exit_hook_env, forked, hooks_that_ran
 
 # A model a user pasted into 03: its forward has a shape bug.
 PASTED_MODEL = """
@@ -87,7 +87,7 @@ def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
     # rank 0 alone, waiting for 2 more ranks that never come: the process group's own error
     init = f"file://{tmp_path}/rdzv"
     args = ["--init-method", init, "--rank", "0", "--world-size", "3", "--timeout", "1"]
-    r = run("01_init_methods.py", *args, timeout=60, env=exit_hook_env(tmp_path)).failed()
+    r = forked("01_init_methods.py", *args, timeout=60, env=exit_hook_env(tmp_path)).failed()
     assert "Traceback" not in r.stderr
     assert re.search(r"^\[rank 0\] error: not all of 3 ranks joined within 1s", r.stderr, re.M), r
     assert hooks_that_ran(tmp_path) == ["rank0"]
