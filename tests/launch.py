@@ -292,7 +292,7 @@ def forked(
     rank order. file_size_kb: as run()'s."""
     context = forkserver()
     argv = [str(a) for a in args]
-    cmd = [f"forked x{nproc}:", script, *argv]
+    cmd = [f"forked x{nproc}:", str(script), *argv]
     ranks, port = {}, str(free_port())
     if nproc > 1:  # one process: no launcher's variables, as for `python script.py`
         per_node = nproc // nnodes
@@ -371,7 +371,7 @@ class Watched:
         self.deadline = self.started + timeout
         if launcher == "forked":  # one process, as `python script` (forked(): no import wait)
             assert not extra and cpus is None, "a forked watch is one process, no launcher"
-            self.cmd = ["forked x1:", script, *map(str, args)]
+            self.cmd = ["forked x1:", str(script), *map(str, args)]
             self.proc = _ForkedProcess(script, [str(a) for a in args], env, ignore)
         else:
             self.cmd = command(script, [str(a) for a in args], launcher, nproc, extra)

@@ -476,8 +476,9 @@ def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):
                 f"Parameters which did not receive grad for rank {rank}: unused_layer.bias, "
                 f"unused_layer.weight"
             ) in r.stderr, r
-        else:  # its peer ended first
-            assert re.search(rf"^\[rank {rank}\] error: .*(peer|Connection)", r.stderr, re.M), r
+        else:  # its peer ended first (rank 0, the store's host: then its next beat fails)
+            lost = rf"^\[rank {rank}\] error: .*(peer|Connection|Broken pipe)"
+            assert re.search(lost, r.stderr, re.M), r
 
 
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
