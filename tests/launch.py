@@ -548,6 +548,15 @@ def edited_copy(folder: Path, *edits: str) -> Path:
     return folder / script
 
 
+def inserted_copy(path: Path, script: str, anchor: str, lines: str, after: bool = False):
+    """A copy of script at path, lines inserted before anchor (after it, with after=True),
+    which must occur once: a test's edit of a script (a sleep, a stuck rank)."""
+    source = (REPO / script).read_text()
+    assert source.count(anchor) == 1, anchor
+    path.write_text(source.replace(anchor, anchor + lines if after else lines + anchor))
+    return path
+
+
 def stuck_copy(tmp_path: Path, phase: str, rank: int = 2) -> Path:
     """03, but one rank stops for good at step 2 in phase (after its beat there), as a rank
     whose data loading or forward never returns."""
@@ -555,9 +564,7 @@ def stuck_copy(tmp_path: Path, phase: str, rank: int = 2) -> Path:
     beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
     indent = beat[1]
     stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    time.sleep(120)\n"
-    path = tmp_path / "stuck.py"
-    path.write_text(source[: beat.end()] + stuck + source[beat.end() :])
-    return path
+    return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", beat[0], stuck, after=True)
 
 
 def load_script(script: str):

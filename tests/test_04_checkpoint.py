@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils.data.distributed import DistributedSampler
 
-from launch import REPO, Watched, forked, free_port, load_script, wait_for_any
+from launch import REPO, Watched, forked, free_port, inserted_copy, load_script, wait_for_any
 
 SCRIPT = "04_checkpoint.py"
 # 03's job at its smallest: 16 px images, 128 of them, batches of 16, 2 epochs. One process
@@ -371,14 +371,12 @@ def test_a_write_slower_than_the_timeout_is_named_by_the_rank_that_waited(tmp_pa
     # thread, rank 1 waits for rank 0's word) and rank 1 times out first. Its line says
     # where both were: in the save, not in training; rank 0 finishes the write (nothing
     # lost) and ends in one line too. It read "Timed out ... recv" and named nobody.
-    source = (REPO / SCRIPT).read_text()
     anchor = '    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")\n'
-    assert source.count(anchor) == 1
     slow = '    if path.suffix == ".pt":\n        time.sleep(4)  # a slow disk\n'
-    (tmp_path / "slow_disk.py").write_text(source.replace(anchor, slow + anchor))
+    script = inserted_copy(tmp_path / "slow_disk.py", SCRIPT, anchor, slow)
     folder = tmp_path / "ckpt"
     args = [*SMALL, "--checkpoint-dir", folder, "--timeout", 2]
-    r = forked(tmp_path / "slow_disk.py", *args, nproc=2).failed()
+    r = forked(script, *args, nproc=2).failed()
     ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
     assert sorted(ours) == ["[rank 0]", "[rank 1]"], r
     assert "Timed out waiting 2000ms" in ours["[rank 1]"], r

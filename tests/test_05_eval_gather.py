@@ -5,7 +5,7 @@ import re
 
 import pytest
 
-from launch import REPO, forked, load_script, run
+from launch import forked, inserted_copy, load_script, run
 
 SCRIPT = "05_eval_gather.py"
 COMMON = ["--image-size", "16", "--batch-size", "8", "--timeout", "60"]
@@ -223,13 +223,11 @@ def test_a_rank_behind_in_its_evaluation_is_named_by_the_others(tmp_path):
     # Rank 1 takes 4 s over its second batch (slow storage, say), --timeout is 2 s: rank 0,
     # done with its shard, times out in the all_reduce and names where each rank was
     # (Dist.beat: each batch, then the gather). It said "Timed out ... recv" and no more.
-    source = (REPO / SCRIPT).read_text()
     anchor = '            d.beat(f"{where}, batch {i}")'
-    assert source.count(anchor) == 1
-    slow = f"{anchor}\n            if d.rank == 1 and i == 1:\n                time.sleep(4)"
-    (tmp_path / "slow.py").write_text(source.replace(anchor, slow))
+    slow = "\n            if d.rank == 1 and i == 1:\n                time.sleep(4)"
+    script = inserted_copy(tmp_path / "slow.py", SCRIPT, anchor, slow, after=True)
     args = ["--val-size", 64, "--image-size", 16, "--batch-size", 8, "--timeout", 2]
-    r = forked(tmp_path / "slow.py", *args, nproc=2).failed()
+    r = forked(script, *args, nproc=2).failed()
     ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
     assert sorted(ours) == ["[rank 0]", "[rank 1]"], r  # rank 1: its peer gone, one line
     assert "Timed out waiting 2000ms" in ours["[rank 0]"], r
@@ -244,13 +242,11 @@ def test_verify_outlasting_the_timeout_is_not_a_timeout(tmp_path):
     # the job's store (rank 1 must beat no more: it failed on "Broken pipe"), and rank 1 runs
     # past --timeout + 5 s after its last beat (its watchdog is off: nothing waits on it).
     # (--timeout 1 also bounds the ranks' first connection: too short on a busy machine.)
-    source = (REPO / SCRIPT).read_text()
     anchor = "    everything = torch.arange(len(dataset))\n"
-    assert source.count(anchor) == 1
     late = "    if d.rank == 1:\n        time.sleep(8)\n"
-    (tmp_path / "late.py").write_text(source.replace(anchor, late + anchor))
+    script = inserted_copy(tmp_path / "late.py", SCRIPT, anchor, late)
     args = ("--val-size", 256, "--image-size", 16, "--batch-size", 64, "--verify")
-    r = forked(tmp_path / "late.py", *args, "--timeout", 2, nproc=2, timeout=120).ok()
+    r = forked(script, *args, "--timeout", 2, nproc=2, timeout=120).ok()
     assert r.seconds > 8 and r.stderr == "", r
     assert (
         r.stdout.strip()
