@@ -105,10 +105,13 @@ def main(args):
     ddp_model = DDP(
         model,
         device_ids=[d.device] if cuda else None,  # CPU: None
-        bucket_cap_mb=args.bucket_cap_mb,  # gradients are all-reduced in buckets of this size
-        find_unused_parameters=args.find_unused_parameters,  # only if some get no gradient
-        static_graph=args.static_graph,  # the same graph every step: DDP can plan ahead
-        gradient_as_bucket_view=args.gradient_as_bucket_view,  # gradients live in the buckets
+        # DDP's knobs, here at their defaults; the tests train with each pair of them set:
+        # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
+        #   as soon as backward has filled it (overlapping communication with computation);
+        # find_unused_parameters=True: some parameters may get no gradient in a step (DDP
+        #   would wait for them: an error at the next step, which names this argument);
+        # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
+        # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
     # DDP's default copies rank 0's buffers (BatchNorm's statistics) to every rank at each
     # forward, a collective per step; off here (the copy at construction stays), and main
@@ -418,7 +421,7 @@ def train_one_epoch(model, loader, state, args, d, hook):
             # all-reduces their sum. static_graph's first backward must sync (inside no_sync
             # it fails an assertion, pytorch#143580); the extra sync is exact: every rank
             # then holds the same average.
-            sync = k == args.accum_steps - 1 or (args.static_graph and i == 0)
+            sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 d.beat(f"step {state.step}, compute")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -945,21 +948,6 @@ def build_parser():
         type=positive,
         metavar="STEP",
         help="the last rank SIGKILLs itself at this global step, in a run that did not resume",
-    )
-    # DDP's knobs
-    parser.add_argument(
-        "--bucket-cap-mb",
-        type=number(float, 0),
-        help="size of the all-reduce buckets, in MB (default: DDP's, 25)",
-    )
-    parser.add_argument(
-        "--find-unused-parameters", action="store_true", help="for parameters that get no gradient"
-    )
-    parser.add_argument(
-        "--static-graph", action="store_true", help="the same parameters are used every step"
-    )
-    parser.add_argument(
-        "--gradient-as-bucket-view", action="store_true", help="gradients live in the buckets"
     )
     add_launch_args(parser)
     return parser

@@ -522,14 +522,18 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
     pytest.fail(f"no launch printed {text!r} before the deadline")
 
 
-# Edits a user makes to 03 that are not options (edited_copy)
+# Edits a user makes to 03 (edited_copy): a layer, a compiled model, DDP's knobs
 UNUSED, COMPILE = "unused layer", "compiled"
+STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
+VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
+DDP_ARGUMENT = "\n        # DDP's knobs, here at their defaults"  # 03 lists them there
 
 
 def edited_copy(folder: Path, *edits: str) -> Path:
     """A copy of 03_ddp_train.py in folder, edited as a user would edit it: UNUSED adds a
     layer that forward never calls (its parameters never get a gradient), COMPILE compiles
-    the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place."""
+    the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place;
+    any other edit is an argument of DDP's (STATIC, say), where 03 lists them."""
     script = "03_ddp_train.py"
     source = (REPO / script).read_text()
     lines = {
@@ -540,7 +544,7 @@ def edited_copy(folder: Path, *edits: str) -> Path:
         ),
     }
     for edit in edits:
-        anchor, line = lines[edit]
+        anchor, line = lines.get(edit, (DDP_ARGUMENT, f"\n        {edit},"))
         assert source.count(anchor) == 1, anchor
         source = source.replace(anchor, line + anchor)
     folder.mkdir(parents=True, exist_ok=True)

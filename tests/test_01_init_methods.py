@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
 import re
 import signal
@@ -273,10 +274,9 @@ def test_nccl_without_cuda_is_a_clear_error(spawn, capsys):
 
 
 # forked (launch.forked): one process, as `python 01_init_methods.py ...` would run it
-def test_missing_ranks_fail_after_timeout_saying_how_many_joined():
-    init = f"tcp://127.0.0.1:{free_port()}"
-    args = ["--init-method", init, "--rank", "0", "--world-size", "3", "--timeout", "1"]
-    r = forked(SCRIPT, *args, timeout=60).failed()
+def test_missing_ranks_fail_after_timeout_saying_how_many_joined(waiting):
+    future, init = waiting["missing"]
+    r = future.result().failed()
     # torch's own words after ours: "Timed out after ... waiting for clients. 1/3 clients joined."
     # (told apart from other failures by the time it came, not by its words)
     line = f"[rank 0] error: not all of 3 ranks joined within 1s ({init}): "
@@ -376,6 +376,40 @@ def test_bad_launcher_variables_are_one_line_naming_them(variables):
     ], r
 
 
+@pytest.fixture(scope="module")
+def waiting():
+    """The launches of the tests below that only wait (for peers that never come, a port that
+    never answers, a name that never resolves), started together, each in a thread of its
+    own: a test's name -> (its future Run, the port or address it was given). Together they
+    take as long as the longest; each keeps its deadline, and each test reads its own."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    never = free_port()
+    squatter = socket.create_server(("127.0.0.1", 0))  # accepts, and never answers
+    port = squatter.getsockname()[1]
+    launches = {
+        "missing": (
+            ["--init-method", init, "--rank", "0", "--world-size", "3", "--timeout", "1"],
+            None,
+            init,
+        ),
+        "never": (["--timeout", "1"], alone(1, "127.0.0.1", never), never),
+        "squatter": (["--timeout", "1"], alone(1, "127.0.0.1", port), port),
+        **{
+            f"unresolvable {rank}": (
+                ["--timeout", "2"],
+                alone(rank, "no-such-host.invalid", 29500),
+                "no-such-host.invalid",
+            )
+            for rank in (0, 1)
+        },
+    }
+    with squatter, concurrent.futures.ThreadPoolExecutor(len(launches)) as pool:
+        yield {
+            name: (pool.submit(forked, SCRIPT, *args, env=env, timeout=60), where)
+            for name, (args, env, where) in launches.items()
+        }
+
+
 def alone(rank: int, address: str, port: int) -> dict:
     """The variables a launcher gives rank `rank` of 2, whose peer never comes."""
     return dict(
@@ -384,12 +418,12 @@ def alone(rank: int, address: str, port: int) -> dict:
     )  # fmt: skip
 
 
-def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout():
+def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout(waiting):
     # torch's own TCPStore client times out, waits a random delay and tries once more: up to
     # twice --timeout (its warning says "retrying (try=0, timeout=..., delay=...)"). The
     # shared setup() ends the process at --timeout + 2 s, if torch has not given up first.
-    port = free_port()
-    r = forked(SCRIPT, "--timeout", "1", env=alone(1, "127.0.0.1", port), timeout=60)
+    future, port = waiting["never"]
+    r = future.result()
     assert r.returncode == 1, r
     assert r.seconds < 1 + 2 + 3, r  # (torch 2.4.1's client gave up after 2 s)
     [line] = ours(r, 1)
@@ -402,13 +436,12 @@ def test_a_rank_whose_rank_0_never_comes_ends_within_its_timeout():
     ), r
 
 
-def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout():
+def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout(waiting):
     # A port held by another program (a web server, another job) that accepts and never
     # answers: torch's store client waits in recv with no deadline (300 s seen on --timeout
     # 15). The deadline ends it, with one line.
-    with socket.create_server(("127.0.0.1", 0)) as squatter:
-        port = squatter.getsockname()[1]
-        r = forked(SCRIPT, "--timeout", "1", env=alone(1, "127.0.0.1", port), timeout=60)
+    future, port = waiting["squatter"]
+    r = future.result()
     assert r.returncode == 1, r
     assert 1 + 2 <= r.seconds < 1 + 2 + 3, r
     assert r.stderr.strip().splitlines() == [
@@ -418,8 +451,9 @@ def test_a_rank_whose_master_port_another_program_holds_ends_within_its_timeout(
 
 
 @pytest.mark.parametrize("rank", [0, 1])
-def test_an_unresolvable_master_addr_is_named_within_its_timeout(rank):
-    r = forked(SCRIPT, "--timeout", "2", env=alone(rank, "no-such-host.invalid", 29500))
+def test_an_unresolvable_master_addr_is_named_within_its_timeout(rank, waiting):
+    future, _ = waiting[f"unresolvable {rank}"]
+    r = future.result()
     assert r.returncode == 1, r
     assert r.seconds < 2 + 2 + 3, r
     [line] = ours(r, rank)

@@ -10,7 +10,19 @@ import numpy as np
 import pytest
 import torch
 
-from launch import COMPILE, UNUSED, edited_copy, forked, load_script, run, stuck_copy
+from launch import (
+    COMPILE,
+    FIND,
+    SMALL_BUCKETS,
+    STATIC,
+    UNUSED,
+    VIEW,
+    edited_copy,
+    forked,
+    load_script,
+    run,
+    stuck_copy,
+)
 
 SCRIPT = "03_ddp_train.py"
 SUMMARY = re.compile(r"^summary: \d+ steps, [\d.]+ img/s.*\ntrain loss ([\d.]+) -> ([\d.]+)$", re.M)
@@ -145,20 +157,19 @@ EQUIV = [
     "60",
 ]
 GLOBAL_BATCH = 6
-STATIC, FIND, VIEW = "--static-graph", "--find-unused-parameters", "--gradient-as-bucket-view"
-# UNUSED and COMPILE (launch.py) are not options: edits of a copy of 03 (edited_copy)
-SMALL_BUCKETS = ["--bucket-cap-mb", "1"]
 # The knobs that interact, each pair of them in at least one cell (pairwise coverage): DDP's
 # reducer takes all of them, and each changes when or where gradients are all-reduced. Every
 # cell must match one process to 1e-9. An unused layer (one forward never calls) rides with
-# --find-unused-parameters and with --static-graph, the two settings that let DDP train it.
+# find_unused_parameters and with static_graph, the two settings that let DDP train it. The
+# knobs are not options: each is an edit of a copy of 03 (launch.edited_copy), as a user sets
+# them in the DDP(...) call, like the unused layer and the compiled model.
 MATRIX = {  # name: (processes, accumulation steps, knobs)
     "static+view": (2, 1, [STATIC, VIEW]),
     "static+accum+unused": (2, 2, [STATIC, UNUSED]),  # pytorch/pytorch#143580
-    "static+accum+small_buckets": (2, 2, [STATIC, *SMALL_BUCKETS]),
+    "static+accum+small_buckets": (2, 2, [STATIC, SMALL_BUCKETS]),
     "find+unused+view": (3, 1, [FIND, UNUSED, VIEW]),
-    "find+accum+small_buckets": (3, 2, [FIND, *SMALL_BUCKETS]),
-    "small_buckets+accum+view": (3, 2, [*SMALL_BUCKETS, VIEW]),
+    "find+accum+small_buckets": (3, 2, [FIND, SMALL_BUCKETS]),
+    "small_buckets+accum+view": (3, 2, [SMALL_BUCKETS, VIEW]),
     # model.compile() before DDP (aot_eager: no C compiler needed): DDPOptimizer splits the
     # graph at the buckets, and the result is still one process's
     "compile+accum": (2, 2, [COMPILE]),
@@ -187,16 +198,13 @@ def matrix(tmp_path_factory):
             torch.load(folder / f"ref{accum}.pt", weights_only=True),
         )
     for name, (nproc, accum, knobs) in MATRIX.items():
-        edits = [k for k in knobs if k in (UNUSED, COMPILE)]
-        script = edited_copy(folder / name, *edits) if edits else SCRIPT
         r = forked(
-            script,
+            edited_copy(folder / name, *knobs),
             *EQUIV,
             "--batch-size",
             GLOBAL_BATCH // nproc,
             "--accum-steps",
             accum,
-            *[k for k in knobs if k not in edits],
             "--save-model",
             folder / f"{name}.pt",
             nproc=nproc,
@@ -396,7 +404,6 @@ def test_unusable_data_is_a_clear_error(tmp_path):
         (["--lr", "nan"], "--lr: must be >= 0 and < 4294967296, got nan"),
         (["--lr", "inf"], "--lr: must be >= 0 and < 4294967296, got inf"),  # trained to -inf
         (["--lr", "-1"], "--lr: must be >= 0 and < 4294967296, got -1"),
-        (["--bucket-cap-mb", "inf"], "--bucket-cap-mb: must be >= 0 and < 4294967296, got inf"),
         (["--arch", "resnet1000"], "invalid choice: 'resnet1000' (choose from "),
         (["--amp", "fp32"], "invalid choice: 'fp32' (choose from "),
     ],
@@ -455,8 +462,8 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
 
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):
     # The most common DDP error, in a copy of 03 with a layer forward never calls.
-    # TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names; --find-unused-parameters and
-    # --static-graph fix it (the matrix above trains with both). Each rank fails at its
+    # TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names; find_unused_parameters=True
+    # and static_graph=True fix it (the matrix above trains with both). Each rank fails at its
     # second forward; one that ends first may leave the other a lost peer instead.
     script = edited_copy(tmp_path, UNUSED)
     r = forked(script, *TINY, nproc=2, env={"TORCH_DISTRIBUTED_DEBUG": "INFO"}).failed()

@@ -155,8 +155,8 @@ def requeues(tmp_path) -> int:
 
 def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_path, reference):
     # What SLURM and Kubernetes do before they kill a job: SIGTERM. The README's batch script
-    # runs 04 under torchrun; SIGTERM reaches torchrun at four moments the script cannot
-    # foresee (before the first step, after a save, in the epoch's validation, and at every
+    # runs 04 under torchrun; SIGTERM reaches torchrun at three moments the script cannot
+    # foresee (before the first step, in the epoch's validation, and after a save at every
     # process of the job step, as SLURM's --signal sends it). Every
     # rank stops at one agreed step after a save and says so; torchrun exits 1, and the
     # script makes it 143 and requeues because 04 marked the folder preempted. A bug in the
@@ -168,7 +168,7 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
     job_sh, env = slurm_job(tmp_path, folder)
     args = [*SMALL, "--log-every", 4, "--workers", 1]  # 1 DataLoader worker: signalled too
     args += ["--metrics", tmp_path / "metrics.jsonl"]
-    moments = ["no checkpoint in", "saved step-", "step     8/16", "saved step-"]
+    moments = ["no checkpoint in", "step     8/16", "saved step-"]
     stops = []
     for moment in moments:
         job = Watched(job_sh, *args, launcher="bash", env=env)
@@ -190,7 +190,7 @@ def test_a_scheduler_retries_each_preemption_and_ends_bitwise_but_not_a_bug(tmp_
         ], r
         stops.append(int(stopped[1]))
         assert (folder / "preempted").exists() and requeues(tmp_path) == len(stops)
-    assert len(stops) >= 3 and stops == sorted(stops), stops
+    assert len(stops) >= 2 and stops == sorted(stops), stops
     # a bug: the same script and folder, the model raising in its forward
     buggy = (
         (REPO / SCRIPT)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import ast
+import functools
 import io
 import re
 import shlex
@@ -182,12 +183,21 @@ def test_what_four_scripts_share_lives_in_the_block():
 
 def definitions(script) -> dict[str, str]:
     """Each top-level function or class of a script, by name: its source text."""
-    text = script.read_text()
-    return {
-        node.name: ast.get_source_segment(text, node)
-        for node in ast.parse(text).body
-        if isinstance(node, (ast.FunctionDef, ast.ClassDef))
-    }
+    return _definitions(script.read_text())
+
+
+@functools.cache  # several tests ask, each for every script
+def _definitions(text: str) -> dict[str, str]:
+    # what ast.get_source_segment gives a top-level node (it starts at column 0), without its
+    # cost: it splits the whole text again for each node
+    lines = text.splitlines(keepends=True)
+    found = {}
+    for node in ast.parse(text).body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            body = lines[node.lineno - 1 : node.end_lineno]
+            body[-1] = body[-1][: node.end_col_offset]
+            found[node.name] = "".join(body)
+    return found
 
 
 @pytest.mark.parametrize("name", SHARED_HELPERS)
