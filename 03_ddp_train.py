@@ -22,7 +22,8 @@ on their shapes. torch.compile: add model.compile() where main() marks it, befor
 DDP(model): compiled in place, the model keeps its state_dict's keys (torch.compile(model)
 would add "_orig_mod."); the first step waits for the slowest rank's compile, so give
 --timeout room for it. --metrics PATH: rank 0 appends a JSON line per progress line and
-per epoch; plot_metrics.py draws the learning curve. Needs torch >= 2.4. A job that must
+per epoch; plot_metrics.py draws the learning curve. A progress line ends with the rank that
+held up the others, if one did (slowest_rank). Needs torch >= 2.4. A job that must
 survive restarts and preemption: 04_checkpoint.py is this file plus checkpoints.
 """
 
@@ -226,6 +227,7 @@ def make_loaders(args, d, train_set, val_set):
     return train_loader, val_loader
 
 
+@dataclass
 class SeededAugmentation(Dataset):
     """The training set, each sample's random augmentation drawn from a seed of its own (from
     the epoch and the sample's index) instead of the random stream of whichever process loads
@@ -233,11 +235,10 @@ class SeededAugmentation(Dataset):
     what one would, and a resumed run (04_checkpoint.py) on what the interrupted one would
     have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
 
-    def __init__(self, dataset):
-        self.dataset = dataset
-        # set before each iter(loader), which starts the workers with a copy of this object
-        # (persistent_workers would keep epoch 0's)
-        self.epoch = 0
+    dataset: Dataset
+    # set before each iter(loader), which starts the workers with a copy of this object
+    # (persistent_workers would keep epoch 0's)
+    epoch: int = 0
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
@@ -253,8 +254,9 @@ def build_model(args, num_classes):
     if args.norm == "group":  # no batch statistics: the same model however the batch is split
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    if args.sync_bn:  # BatchNorm statistics over the global batch, not each rank's shard
-        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    # GPUs: BatchNorm statistics over the global batch, not each rank's shard (synced at every
+    # forward; DDP refuses it on the CPU):
+    # model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
 
@@ -275,8 +277,12 @@ def train_one_epoch(model, loader, state, args, d):
     and its speed in images per second."""
     model.train()
     amp = AMP_DTYPES.get(args.amp)
-    started = time.perf_counter()
+    now = time.perf_counter  # seconds: for the speed, and each rank's time in data and forward
+    started = now()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
+    # each rank's seconds since the last progress line in its data loading and its forward,
+    # both before the gradient all-reduce: this rank's row (slowest_rank gathers them)
+    times = torch.zeros(d.world_size, 2)
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
@@ -288,7 +294,9 @@ def train_one_epoch(model, loader, state, args, d):
             # store, no collective, and re-arms a watchdog that dumps this rank's stacks and
             # ends it if no beat comes for --timeout + 5 s.
             d.beat(f"step {state.step}, data")
+            loading = now()
             images, labels = next(batches)
+            loaded = now()
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
@@ -301,6 +309,7 @@ def train_one_epoch(model, loader, state, args, d):
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
+                times[d.rank] += torch.tensor([loaded - loading, now() - loaded])
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
             step_sums[0] += loss.detach() * len(labels)
@@ -317,15 +326,33 @@ def train_one_epoch(model, loader, state, args, d):
         # (this step's loss and accuracy, over every rank's images: a resumed run logs the same)
         if state.step % args.log_every == 0:
             step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
+            slowest = slowest_rank(times, d)  # every rank: "" or "  slowest: rank 2 (data ...)"
             if d.rank == 0:
                 say(
                     f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
-                    f"  loss {step_loss:.4f}  acc {step_acc:6.1%}"
+                    f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
                 log_metrics(args, state, loss=step_loss, acc=step_acc)
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     # all ranks' images per second (the .tolist() above waited for the GPU)
-    return loss, acc, images / (time.perf_counter() - started)
+    return loss, acc, images / (now() - started)
+
+
+def slowest_rank(times, d):
+    """The rank the others waited for since the last progress line, and on what: the gradient
+    all-reduce makes every rank's step take the slowest's time, so the rank that spent the
+    most in data loading and forward (before the all-reduce) held up the others. Named when
+    that was over twice the median rank's time, with how much more. Every rank calls it."""
+    table = times.to(d.device, copy=True)
+    dist.all_reduce(table)  # each rank's row (the others are zeros here)
+    times.zero_()
+    before = table.sum(1)
+    rank = int(before.argmax())
+    if before[rank] < 2 * before.median():
+        return ""
+    data, forward = table[rank] - table.median(0).values  # its excess in each
+    phase = "data" if data > forward else "compute"
+    return f"  slowest: rank {rank} ({phase} +{before[rank] - before.median():.2f}s)"
 
 
 def all_reduce_metrics(sums):
@@ -416,80 +443,76 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    add = parser.add_argument
     positive = number(int, 1)  # argparse types: an int >= 1, an int >= 0
     count = number(int, 0)
-    parser.add_argument(
+    add(
         "--arch",
         default="resnet18",
         choices=torchvision.models.list_models(module=torchvision.models),
         metavar="A",
         help="any torchvision classifier (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--norm",
         default="batch",
         choices=["batch", "group"],
         help="group: GroupNorm, resnet family (default: %(default)s)",
     )
-    parser.add_argument(
-        "--sync-bn", action="store_true", help="BatchNorm over the global batch (GPUs)"
-    )
-    parser.add_argument(
+    add(
         "--data",
         type=Path,
         metavar="DIR",
         help="an ImageFolder tree DIR/{train,val}/CLASS/IMAGE; without it, synthetic images",
     )
-    parser.add_argument(
+    add(
         "--train-size",
         type=positive,
         default=4096,
         help="synthetic training images (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--val-size",
         type=count,
         default=1024,
         help="synthetic validation images (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--image-size",
         type=positive,
         default=32,
         help="image side in pixels (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--workers",
         type=count,
         help="DataLoader workers per process (default: 0 on CPU, else its cores, up to 8)",
     )
-    parser.add_argument(
-        "--epochs", type=positive, default=3, help="passes over the data (default: %(default)s)"
-    )
-    parser.add_argument(
+    add("--epochs", type=positive, default=3, help="passes over the data (default: %(default)s)")
+    add(
         "--batch-size",
         type=positive,
         default=128,
         help="images per micro-batch, per process (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--accum-steps",
         type=positive,
         default=1,
         help="micro-batches per step, under no_sync (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--lr",
         type=number(float, 0),
         default=0.05,
         help="the one-cycle schedule's peak (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--amp",
         choices=AMP_DTYPES,
         help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
     )
-    parser.add_argument(
+    add(
         "--float64",
         dest="dtype",  # args.dtype: the model's and the images' dtype
         action="store_const",
@@ -497,18 +520,14 @@ def build_parser():
         default=torch.float32,
         help="train in float64, for sharp equivalence checks (slow; default: float32)",
     )
-    parser.add_argument(
+    add(
         "--log-every",
         type=positive,
         default=10,
         help="steps between progress lines (default: %(default)s)",
     )
-    parser.add_argument(
-        "--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there"
-    )
-    parser.add_argument(
-        "--metrics", type=output_file, metavar="PATH", help="rank 0 appends JSON lines there"
-    )
+    add("--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there")
+    add("--metrics", type=output_file, metavar="PATH", help="rank 0 appends JSON lines there")
     add_launch_args(parser)
     return parser
 

@@ -522,8 +522,8 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
     pytest.fail(f"no launch printed {text!r} before the deadline")
 
 
-# Edits a user makes to 03 (edited_copy): a layer, a compiled model, DDP's knobs
-UNUSED, COMPILE = "unused layer", "compiled"
+# Edits a user makes to 03 (edited_copy): a layer, a compiled model, SyncBatchNorm, DDP's knobs
+UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
 DDP_ARGUMENT = "\n        # DDP's knobs, here at their defaults"  # 03 lists them there
@@ -532,12 +532,17 @@ DDP_ARGUMENT = "\n        # DDP's knobs, here at their defaults"  # 03 lists the
 def edited_copy(folder: Path, *edits: str) -> Path:
     """A copy of 03_ddp_train.py in folder, edited as a user would edit it: UNUSED adds a
     layer that forward never calls (its parameters never get a gradient), COMPILE compiles
-    the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place;
-    any other edit is an argument of DDP's (STATIC, say), where 03 lists them."""
+    the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place,
+    SYNC_BN takes the line 03's build_model() shows as a comment (GPUs only); any other edit
+    is an argument of DDP's (STATIC, say), where 03 lists them."""
     script = "03_ddp_train.py"
     source = (REPO / script).read_text()
     lines = {
         UNUSED: ("\n    return model\n", "\n    model.unused_layer = nn.Linear(8, 8)"),
+        SYNC_BN: (
+            "\n    return model\n",
+            "\n    model = nn.SyncBatchNorm.convert_sync_batchnorm(model)",
+        ),
         COMPILE: (
             "\n    # torch.compile: model.compile() here",
             '\n    model.compile(backend="aot_eager")',

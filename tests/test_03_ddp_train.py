@@ -15,10 +15,12 @@ from launch import (
     FIND,
     SMALL_BUCKETS,
     STATIC,
+    SYNC_BN,
     UNUSED,
     VIEW,
     edited_copy,
     forked,
+    inserted_copy,
     load_script,
     run,
     stuck_copy,
@@ -488,6 +490,15 @@ def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):
             assert re.search(lost, r.stderr, re.M), r
 
 
+def test_sync_batchnorm_is_a_line_for_gpus_that_ddp_refuses_on_the_cpu(tmp_path):
+    # 03 shows the conversion as a comment in build_model(); the GPU lane trains the copy that
+    # takes it (test_gpu). On the CPU, DDP's constructor refuses it: every rank, one line.
+    r = forked(edited_copy(tmp_path, SYNC_BN), *TINY, nproc=2).failed()
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    refusal = "error: ValueError: SyncBatchNorm layers only work with GPU modules"
+    assert ours == [f"[rank {rank}] {refusal}" for rank in (0, 1)], r
+
+
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
     """root/{train,val}/CLASS/i.png: class a 8-bit greyscale (a ramp), the others 8-bit RGB;
     and in every class folder a macOS resource fork, ._0.png, which is not an image at all."""
@@ -573,6 +584,33 @@ def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_pat
     lost = ("] stopped by SIGTERM", "Connection closed by peer", "error: Broken pipe")
     assert any(cause in other[0] for cause in lost), r
     assert "Traceback" not in r.stderr, r
+
+
+@pytest.mark.parametrize("phase", ["none", "data", "compute"])
+def test_a_slow_rank_is_named_in_the_progress_line(phase, tmp_path):
+    # 3 ranks, a line every 4 steps; rank 2 spends 50 ms more in each step's data loading
+    # (or forward) than its peers, who wait for it in the gradient all-reduce: every line
+    # after the first names it and the phase (the first may not: its interval holds the
+    # first step's one-off costs). No one is slower: no line names anyone.
+    anchor = {"data": "images, labels = next(batches)\n", "compute": "logits = model(images)\n"}
+    script = SCRIPT
+    if phase != "none":  # the line after the beat names the phase
+        indent = " " * 12 if phase == "data" else " " * 20
+        slow = f"{indent}if d.rank == 2:\n{indent}    time.sleep(0.05)\n"
+        script = inserted_copy(tmp_path / "slow.py", SCRIPT, indent + anchor[phase], slow)
+    # (small steps, so that 50 ms is more than their data and forward, even on a busy machine)
+    args = ["--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 16]
+    r = forked(script, *args, "--epochs", 1, "--log-every", 4, nproc=3).ok()
+    lines = [line for line in r.stdout.splitlines() if line.startswith("epoch 1  step")]
+    assert len(lines) == 2, r  # 8 steps
+    slowest = r"  slowest: rank (\d) \((\w+) \+(\d+\.\d\d)s\)$"
+    named = [m.groups() if (m := re.search(slowest, x)) else None for x in lines]
+    if phase == "none":
+        assert named == [None, None], r
+    else:
+        assert named[1] and named[1][:2] == ("2", phase), r
+        assert float(named[1][2]) >= 0.1, r  # 4 steps of 50 ms, less what the others lost
+        assert not named[0] or named[0][:2] == ("2", phase), r
 
 
 @pytest.mark.parametrize("phase, launcher", [("data", "forked"), ("compute", "torchrun")])
