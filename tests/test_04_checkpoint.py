@@ -302,13 +302,13 @@ def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path)
             assert torch.allclose(ended[name], tensor, rtol=0, atol=1e-9), name
 
 
-def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
+def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path):
     # SIGKILL to the torchrun agent: nobody forwards anything. Each worker sees its parent
     # gone within a second, and they stop as on a signal (SIGHUP), after a save; nothing
     # keeps the lock. On torch 2.15 the job's store was the agent's: it went with the agent,
     # and every rank's next beat ended it ("error: Broken pipe", no save). 04 now hosts its
     # own (attempt_store). 6 epochs: the job must still be training a second after the kill.
-    expected, _ = reference(2, "--epochs", 6)
+    # (That a stop and its resume end bitwise as an uninterrupted run: the scheduler test.)
     args = (*SMALL, "--epochs", 6, "--checkpoint-dir", tmp_path)
     job = Watched(SCRIPT, *args, launcher="torchrun", nproc=2)
     job.wait_for("saved step-00000003.pt")
@@ -322,8 +322,7 @@ def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path, reference):
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert ours == ["[rank 0] stopped by SIGHUP", "[rank 1] stopped by SIGHUP"], r
     again = forked(SCRIPT, *args, nproc=2).ok()
-    assert f"global step {stopped[1]}" in again.stdout, again
-    assert final_state(again.stdout) == expected
+    assert f"global step {stopped[1]}" in again.stdout and VERIFIED.search(again.stdout), again
 
 
 def wait_until_gone(pids: list[int], seconds: float, what: str) -> None:

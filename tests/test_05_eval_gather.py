@@ -1,5 +1,6 @@
 """05_eval_gather.py: metrics over any world size equal a one-process evaluation."""
 
+import concurrent.futures
 import json
 import re
 
@@ -219,22 +220,41 @@ def test_a_model_with_nan_weights_is_named_as_the_cause(tmp_path):
         ), r
 
 
-def test_a_rank_behind_in_its_evaluation_is_named_by_the_others(tmp_path):
+@pytest.fixture(scope="module")
+def late(tmp_path_factory):
+    """The two tests below wait seconds for a rank that is late on purpose: their launches
+    start together, each in a thread of its own (a test's name -> its future Run), so the
+    two waits overlap; each test reads its own."""
+    folder = tmp_path_factory.mktemp("late")
+    # Rank 1 takes 4 s over its second batch (slow storage, say), --timeout 2
+    anchor = '            d.beat(f"{where}, batch {i}")'
+    slow = "\n            if d.rank == 1 and i == 1:\n                time.sleep(4)"
+    behind = inserted_copy(folder / "slow.py", SCRIPT, anchor, slow, after=True)
+    args = ["--val-size", 64, "--image-size", 16, "--batch-size", 8, "--timeout", 2]
+    # Rank 1 starts its --verify evaluation 8 s late, --timeout 2
+    anchor = "    everything = torch.arange(len(dataset))\n"
+    delay = "    if d.rank == 1:\n        time.sleep(8)\n"
+    verify = inserted_copy(folder / "late.py", SCRIPT, anchor, delay)
+    verify_args = ("--val-size", 256, "--image-size", 16, "--batch-size", 64, "--verify")
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        yield {
+            "behind": pool.submit(forked, behind, *args, nproc=2),
+            "verify": pool.submit(forked, verify, *verify_args, "--timeout", 2, nproc=2),
+        }
+
+
+def test_a_rank_behind_in_its_evaluation_is_named_by_the_others(late):
     # Rank 1 takes 4 s over its second batch (slow storage, say), --timeout is 2 s: rank 0,
     # done with its shard, times out in the all_reduce and names where each rank was
     # (Dist.beat: each batch, then the gather). It said "Timed out ... recv" and no more.
-    anchor = '            d.beat(f"{where}, batch {i}")'
-    slow = "\n            if d.rank == 1 and i == 1:\n                time.sleep(4)"
-    script = inserted_copy(tmp_path / "slow.py", SCRIPT, anchor, slow, after=True)
-    args = ["--val-size", 64, "--image-size", 16, "--batch-size", 8, "--timeout", 2]
-    r = forked(script, *args, nproc=2).failed()
+    r = late["behind"].result().failed()
     ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
     assert sorted(ours) == ["[rank 0]", "[rank 1]"], r  # rank 1: its peer gone, one line
     assert "Timed out waiting 2000ms" in ours["[rank 0]"], r
     assert ours["[rank 0]"].endswith("; rank by rank: ['gather', 'evaluation, batch 1']"), r
 
 
-def test_verify_outlasting_the_timeout_is_not_a_timeout(tmp_path):
+def test_verify_outlasting_the_timeout_is_not_a_timeout(late):
     # --verify's one-process evaluation of the whole set takes longer than a shard's. Done on
     # rank 0 alone, the others waited for it in a collective and timed out ("Timed out
     # waiting 1000ms for recv operation"); every rank now does it, and no collective follows.
@@ -242,11 +262,7 @@ def test_verify_outlasting_the_timeout_is_not_a_timeout(tmp_path):
     # the job's store (rank 1 must beat no more: it failed on "Broken pipe"), and rank 1 runs
     # past --timeout + 5 s after its last beat (its watchdog is off: nothing waits on it).
     # (--timeout 1 also bounds the ranks' first connection: too short on a busy machine.)
-    anchor = "    everything = torch.arange(len(dataset))\n"
-    late = "    if d.rank == 1:\n        time.sleep(8)\n"
-    script = inserted_copy(tmp_path / "late.py", SCRIPT, anchor, late)
-    args = ("--val-size", 256, "--image-size", 16, "--batch-size", 64, "--verify")
-    r = forked(script, *args, "--timeout", 2, nproc=2, timeout=120).ok()
+    r = late["verify"].result().ok()
     assert r.seconds > 8 and r.stderr == "", r
     assert (
         r.stdout.strip()
