@@ -105,7 +105,8 @@ def main(args):
     ddp_model = DDP(
         model,
         device_ids=[d.device] if cuda else None,  # CPU: None
-        # DDP's knobs, here at their defaults; the tests train with each pair of them set:
+        # DDP's knobs, not passed here (so at their defaults); to change one, pass it as
+        # shown (the tests train with each pair of them set):
         # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
         #   as soon as backward has filled it (overlapping communication with computation);
         # find_unused_parameters=True: some parameters may get no gradient in a step (DDP
@@ -278,7 +279,7 @@ def make_loaders(args, d, train_set, val_set):
         num_workers=workers,
         worker_init_fn=quiet_worker,  # a stop is the rank's to make
         pin_memory=cuda,  # page-locked: copies to the GPU run async
-        drop_last=True,  # full batches only: a batch of one image fails BatchNorm in training
+        drop_last=True,  # full batches only: one image fails BatchNorm where a layer sees 1x1
     )
     # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
     # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
@@ -421,7 +422,6 @@ def train_one_epoch(model, loader, state, args, d, hook):
             d.beat(f"step {state.step}, data")
             loading = now()
             images, labels = next(batches)
-            loaded = now()
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
@@ -431,6 +431,7 @@ def train_one_epoch(model, loader, state, args, d, hook):
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 d.beat(f"step {state.step}, compute")
+                loaded = now()  # data: the loader, the copies and the beats; compute: forward
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
@@ -470,7 +471,10 @@ def slowest_rank(times, d):
     """The rank the others waited for since the last progress line, and on what: the gradient
     all-reduce makes every rank's step take the slowest's time, so the rank that spent the
     most in data loading and forward (before the all-reduce) held up the others. Named when
-    that was over twice the median rank's time, with how much more. Every rank calls it."""
+    that was over twice the median rank's, with the phase of its larger excess and how many
+    seconds more than the median rank it spent there since the last line: about what the
+    others waited. (Backward holds the all-reduce's wait: it is not timed. GPUs: NOTES.md.)
+    Every rank calls it."""
     table = times.to(d.device, copy=True)
     dist.all_reduce(table)  # each rank's row (the others are zeros here)
     times.zero_()

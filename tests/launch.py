@@ -462,7 +462,7 @@ class Watched:
 
 class _ForkedProcess:
     """A Watched launch's process, forked from the forkserver as forked() forks a rank, with
-    what Watched uses of a Popen: pid, wait(), returncode, and stdout and stderr to read
+    what Watched uses of a Popen: pid, wait(), poll(), returncode, and stdout and stderr to read
     line by line (FIFOs: the child opens them as its files 1 and 2)."""
 
     def __init__(self, script: str, argv: list[str], env: dict | None, ignore) -> None:
@@ -485,6 +485,9 @@ class _ForkedProcess:
 
     @property
     def returncode(self) -> int | None:
+        return self.process.exitcode
+
+    def poll(self) -> int | None:
         return self.process.exitcode
 
     def wait(self, timeout: float | None = None) -> int:

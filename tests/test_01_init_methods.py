@@ -16,16 +16,13 @@ from launch import (
     PYTHON,
     REPO,
     Watched,
-    command,
     exit_hook_env,
-    finish,
     forked,
     free_port,
     hooks_that_ran,
     load_script,
     run,
     run_many,
-    start,
 )
 
 SCRIPT = "01_init_methods.py"
@@ -102,20 +99,13 @@ def test_manual_launch_from_two_terminals_seconds_apart(scheme, tmp_path):
     # rank 1 starts first and waits (tcp://: for rank 0's port, within its own deadline;
     # file://: in the file rank 1 created); rank 0 comes seconds later, as from another
     # terminal. The gap is the scenario, not a synchronisation: any gap below --timeout joins.
+    # (each a process of its own, forked: as `python 01_init_methods.py ...` from a terminal)
     init = f"tcp://127.0.0.1:{free_port()}" if scheme == "tcp" else f"file://{tmp_path}/rdzv"
-    cmds = [
-        command(
-            SCRIPT,
-            ["--init-method", init, "--rank", str(r), "--world-size", "2", "--timeout", "60"],
-        )
-        for r in (0, 1)
-    ]
-    started = time.monotonic()
-    rank1 = start(cmds[1])
+    args = ["--init-method", init, "--world-size", "2", "--timeout", "60"]
+    rank1 = Watched(SCRIPT, *args, "--rank", 1, launcher="forked", timeout=90)
     time.sleep(2)
-    rank0 = start(cmds[0])
-    rank0, rank1 = finish(rank0, cmds[0], 90, started).ok(), finish(rank1, cmds[1], 90, started)
-    rank1.ok()
+    rank0 = Watched(SCRIPT, *args, "--rank", 0, launcher="forked", timeout=90)
+    rank0, rank1 = rank0.finish().ok(), rank1.finish().ok()
     assert_one_node_job(rank0.stdout, 2, scheme)
     assert rank1.stdout == ""  # rank 0 alone tells the story
     if scheme == "file":  # removed after the final barrier, so the next job finds no leftover
@@ -171,14 +161,14 @@ def test_a_live_rank_0s_file_that_looks_old_is_joined(tmp_path):
     # clock: one of two processes has opened the file, so rank 1 joins.
     rdzv = tmp_path / "rdzv"
     args = ["--init-method", f"file://{rdzv}", "--world-size", "2", "--timeout", "60"]
-    rank0 = Watched(SCRIPT, *args, "--rank", "0", timeout=90)
+    rank0 = Watched(SCRIPT, *args, "--rank", "0", launcher="forked", timeout=90)
     deadline = time.monotonic() + 60
     while b"refcount/" not in (rdzv.read_bytes() if rdzv.exists() else b""):  # rank 0 opened it
         assert time.monotonic() < deadline and rank0.proc.poll() is None, "rank 0 wrote no file"
         time.sleep(0.05)  # polling a condition, with a deadline
     hour_ago = time.time() - 3600
     os.utime(rdzv, (hour_ago, hour_ago))
-    rank1 = run(SCRIPT, *args, "--rank", "1", timeout=90).ok()
+    rank1 = forked(SCRIPT, *args, "--rank", "1", timeout=90).ok()
     assert_one_node_job(rank0.finish().ok().stdout, 2, "file")
     assert rank1.stdout == ""
 
@@ -186,30 +176,16 @@ def test_a_live_rank_0s_file_that_looks_old_is_joined(tmp_path):
 def test_manual_launch_as_two_nodes_states_local_ranks():
     # four processes started by hand as if on two machines of two: --local-rank picks the
     # GPU on a real node, and the node column follows from rank, local rank and node size
+    # (each a process of its own, forked: as `python 01_init_methods.py ...` would be)
     init = f"tcp://127.0.0.1:{free_port()}"
-    cmds = [
-        command(
-            SCRIPT,
-            [
-                "--init-method",
-                init,
-                "--world-size",
-                "4",
-                "--rank",
-                str(r),
-                "--local-rank",
-                str(r % 2),
-                "--local-world-size",
-                "2",
-                "--timeout",
-                "60",
-            ],
+    args = ["--init-method", init, "--world-size", "4", "--local-world-size", "2"]
+    jobs = [
+        Watched(
+            SCRIPT, *args, "--rank", r, "--local-rank", r % 2, "--timeout", 60, launcher="forked"
         )
         for r in range(4)
     ]
-    runs = run_many(cmds, timeout=120)
-    for r in runs:
-        r.ok()
+    runs = [job.finish().ok() for job in jobs]
     rows = table(runs[0].stdout)
     assert [(r["rank"], r["node_rank"], r["local_rank"]) for r in rows] == [
         (0, 0, 0),
@@ -301,7 +277,11 @@ def test_an_ipv6_address_in_brackets_works_with_tcp():
             port = probe.getsockname()[1]
     except OSError:
         pytest.skip("no IPv6 loopback on this machine")
-    r = run(SCRIPT, "--init-method", f"tcp://[::1]:{port}", launcher="spawn", nproc=2).ok()
+    # two processes started by hand (forked), as the README's manual launch
+    args = ["--init-method", f"tcp://[::1]:{port}", "--world-size", "2", "--timeout", "60"]
+    jobs = [Watched(SCRIPT, *args, "--rank", r, launcher="forked") for r in (0, 1)]
+    r = jobs[0].finish().ok()
+    assert jobs[1].finish().ok().stdout == ""
     assert_one_node_job(r.stdout, 2, "tcp")
 
 
