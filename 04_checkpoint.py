@@ -567,6 +567,8 @@ class Preemption:
         and mp.spawn's ranks get SIGINT when their parent dies (and stop at once)."""
         while os.getppid() == parent:
             time.sleep(1)
+        if os.environ["RANK"] == "0":  # say why, once: no signal came
+            say(f"torchrun (pid {parent}) is gone: stopping as on SIGHUP")
         self.asked = signal.SIGHUP
 
     def agreed(self):

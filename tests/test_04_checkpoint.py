@@ -319,6 +319,8 @@ def test_workers_whose_launcher_is_killed_stop_and_save(tmp_path):
     r = job.finish()  # the agent's exit status; the workers' lines came through its pipes
     stopped = re.search(r"^stopping on SIGHUP at step (\d+): run the same", r.stdout, re.M)
     assert stopped and f"saved step-{int(stopped[1]):08d}.pt" in r.stdout, r
+    gone = rf"^torchrun \(pid {job.proc.pid}\) is gone: stopping as on SIGHUP$"
+    assert len(re.findall(gone, r.stdout, re.M)) == 1, r  # rank 0's word: no signal came
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert ours == ["[rank 0] stopped by SIGHUP", "[rank 1] stopped by SIGHUP"], r
     again = forked(SCRIPT, *args, nproc=2).ok()
