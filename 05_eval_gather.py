@@ -25,7 +25,6 @@ Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attem
 import argparse
 import atexit
 import concurrent.futures
-import contextlib
 import datetime
 import faulthandler
 import io
@@ -425,8 +424,10 @@ def check(ok, name, detail):
 def say(text):
     """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
     into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
-    with contextlib.suppress(OSError):
+    try:
         print(text, flush=True)
+    except OSError:
+        pass
 
 
 def number(cast, low, high=2**32):
@@ -459,9 +460,9 @@ def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
     if "RANK" in os.environ:  # a launcher started this process and set its variables
         run_rank(None, main, args)  # (it never returns: run_rank ends the process)
-    n = 1  # no launcher and no --spawn: a world of one, through the same code path
-    if args.spawn is not None:  # --spawn N; 0: one per GPU, else 2
-        n = args.spawn or torch.cuda.device_count() or 2
+    # --spawn N (0: one per GPU, else 2); no launcher and no --spawn: a world of one, through
+    # the same code path
+    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
     with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
         port = s.getsockname()[1]
     # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
@@ -514,22 +515,25 @@ def run_rank(index, main, args):
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
-            # Raised in torch.distributed: a collective failed (a peer is gone, say), and
-            # torch's message says so. Raised anywhere else: a bug, keep its traceback.
+            # Raised in torch.distributed, or by Gloo in DDP's all-reduce inside backward: a
+            # collective failed (a peer is gone, say), and torch's message says so. Raised
+            # anywhere else: a bug, keep its traceback.
             where = traceback.extract_tb(e.__traceback__)[-1].filename
-            if not where.startswith(os.path.dirname(dist.__file__)):
+            if not where.startswith(os.path.dirname(dist.__file__)) and "gloo" not in str(e):
                 traceback.print_exc()
             why = f"error: {type(e).__name__}: {e}"
             # A collective timed out (Gloo's words): where each rank was at its last beat
             # (Dist.beat), if every rank has beaten, from the job's store: "; rank by rank:
             # ['step 2, backward', 'step 2, data']". (Not after a lost peer: a manual launch's
             # store is rank 0's, and may have gone with it.)
-            with contextlib.suppress(Exception):  # no group yet: nothing to add
+            try:
                 store = dist.distributed_c10d._get_default_store()
                 keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
                 if "Timed out" in why and store.check(keys):  # get() will not wait
                     beats = [store.get(key).decode() for key in keys]
                     why += f"; rank by rank: {beats}"
+            except Exception:  # no group yet: nothing to add
+                pass
         finally:
             # Ending already: a signal from now on could only garble the line. One that
             # arrives before this loop is done is caught below, like one arriving in the
@@ -548,8 +552,10 @@ def run_rank(index, main, args):
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    with contextlib.suppress(Exception):  # stdout closed or broken: nothing more to say
+    try:
         sys.stdout.flush()
+    except Exception:  # stdout closed or broken: nothing more to say
+        pass
     os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
 
 

@@ -16,7 +16,16 @@ import subprocess
 import pytest
 import torch
 
-from launch import LAUNCH_VARS, PYTHON, REPO, Watched, exit_hook_env, forked, hooks_that_ran
+from launch import (
+    LAUNCH_VARS,
+    PYTHON,
+    REPO,
+    Watched,
+    exit_hook_env,
+    forked,
+    hooks_that_ran,
+    inserted_copy,
+)
 
 # A model a user pasted into 03: its forward has a shape bug.
 PASTED_MODEL = """
@@ -81,6 +90,21 @@ def test_a_bug_in_pasted_code_keeps_its_traceback_on_every_rank(tmp_path):
         line = summary.search(r.stderr, traceback_at)
         assert line, r
         position = line.end()
+
+
+def test_a_peer_that_crashes_ends_the_other_in_one_line_even_inside_backward(tmp_path):
+    # Rank 1 dies (os._exit: an OOM kill, say) as rank 0 runs step 2's backward, where DDP's
+    # gradient all-reduce meets the lost peer: Gloo's error surfaces in torch.autograd's
+    # frames, not torch.distributed's, and used to keep a traceback as a bug would.
+    anchor = "                    logits = model(images)\n"
+    crash = "                    if d.rank == 1 and state.step == 2:\n"
+    crash += "                        os._exit(9)  # a crash: no line\n"
+    script = inserted_copy(tmp_path / "crash.py", "03_ddp_train.py", anchor, crash)
+    args = ["--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 16]
+    r = forked(script, *args, "--epochs", 1, "--timeout", 10, nproc=2)
+    assert r.returncode == 1, r  # rank 0's (rank 1's 9 comes second)
+    [line] = r.stderr.strip().splitlines()
+    assert re.fullmatch(r"\[rank 0\] error: RuntimeError: .*gloo.*(peer|Connection).*", line), r
 
 
 def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
