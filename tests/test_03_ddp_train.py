@@ -637,9 +637,14 @@ def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(phase, launche
     ).failed()
     where = f"rank by rank: ['step 2, compute', 'step 2, compute', 'step 2, {phase}']"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
-    for rank, line in enumerate(ours[:2]):
-        assert line.startswith(f"[rank {rank}] error: RuntimeError: "), r
-        assert f"Timed out waiting {timeout}000ms" in line and line.endswith(where), r
+    assert [line[:8] for line in ours[:2]] == ["[rank 0]", "[rank 1]"], r
+    assert any(f"Timed out waiting {timeout}000ms" in line for line in ours[:2]), r
+    for line in ours[:2]:
+        if "Timed out" in line:
+            assert line[8:].startswith(" error: RuntimeError: ") and line.endswith(where), r
+        else:  # Under torchrun the agent stops the others (SIGTERM) once one rank has failed:
+            # rank 0 or 1 may be stopped before its own wait ran out (CI saw it)
+            assert launcher == "torchrun" and line.endswith("] stopped by SIGTERM"), r
     if launcher == "forked":  # rank 2's faulthandler: "Timeout (0:00:07)!" and its stack
         assert "Timeout (0:00:07)!" in r.stderr and "in train_one_epoch" in r.stderr, r
         assert len(ours) == 2, r
