@@ -453,21 +453,23 @@ def run_rank(index, main, args):
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
-            # Raised in torch.distributed, or by Gloo in DDP's all-reduce inside backward: a
-            # collective failed (a peer is gone, say), and torch's message says so. Raised
-            # anywhere else: a bug, keep its traceback.
-            where = traceback.extract_tb(e.__traceback__)[-1].filename
-            if not where.startswith(os.path.dirname(dist.__file__)) and "gloo" not in str(e):
+            # Gloo's errors name its source file (".../gloo/transport/tcp/pair.cc"): a
+            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
+            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
+            # DistErrors.) Anything else is a bug: keep its traceback.
+            if "gloo" not in str(e):
                 traceback.print_exc()
             why = f"error: {type(e).__name__}: {e}"
-            # A collective timed out (Gloo's words): where each rank was at its last beat
-            # (Dist.beat), if every rank has beaten, from the job's store: "; rank by rank:
-            # ['step 2, backward', 'step 2, data']". (Not after a lost peer: a manual launch's
-            # store is rank 0's, and may have gone with it.)
+            # Where each rank was at its last beat (Dist.beat), if every rank has beaten, from
+            # the job's store: "; rank by rank: ['step 2, compute', 'step 2, data']". After a
+            # timeout (Gloo's words), every rank; after a lost peer, rank 0 alone: the store's
+            # host is rank 0 or torchrun's agent, and a peer's read would fail if rank 0 is
+            # the peer that was lost (with a C++ warning, breaking the one line).
             try:
                 store = dist.distributed_c10d._get_default_store()
                 keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                if "Timed out" in why and store.check(keys):  # get() will not wait
+                read = "Timed out" in why or dist.get_rank() == 0
+                if read and store.check(keys):  # get() will not wait
                     beats = [store.get(key).decode() for key in keys]
                     why += f"; rank by rank: {beats}"
             except Exception:  # no group yet: nothing to add

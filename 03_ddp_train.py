@@ -327,13 +327,15 @@ def train_one_epoch(model, loader, state, args, d):
         # (this step's loss and accuracy, over every rank's images: a resumed run logs the same)
         if state.step % args.log_every == 0:
             step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
-            slowest = slowest_rank(times, d)  # every rank: "" or "  slowest: rank 2 (data ...)"
+            # every rank: each rank's [data, forward] seconds since the last line, and "" or
+            # "  slowest: rank 2 (data +0.27s)"
+            seconds, slowest = slowest_rank(times, d)
             if d.rank == 0:
                 say(
                     f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
                     f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
-                log_metrics(args, state, loss=step_loss, acc=step_acc)
+                log_metrics(args, state, loss=step_loss, acc=step_acc, rank_seconds=seconds)
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     # all ranks' images per second (the .tolist() above waited for the GPU)
     return loss, acc, images / (now() - started)
@@ -346,17 +348,19 @@ def slowest_rank(times, d):
     that was over twice the median rank's, with the phase of its larger excess and how many
     seconds more than the median rank it spent there since the last line: about what the
     others waited. (Backward holds the all-reduce's wait: it is not timed. GPUs: NOTES.md.)
+    Returns every rank's [data, forward] seconds (for --metrics) and that line's text, or "".
     Every rank calls it."""
     table = times.to(d.device, copy=True)
     dist.all_reduce(table)  # each rank's row (the others are zeros here)
     times.zero_()
+    seconds = table.tolist()  # (waits for the GPU, as the line's all-reduce did)
     before = table.sum(1)
     rank = int(before.argmax())
     if before[rank] < 2 * before.median():
-        return ""
+        return seconds, ""
     data, forward = table[rank] - table.median(0).values  # its excess in each
     phase = "data" if data > forward else "compute"
-    return f"  slowest: rank {rank} ({phase} +{before[rank] - before.median():.2f}s)"
+    return seconds, f"  slowest: rank {rank} ({phase} +{before[rank] - before.median():.2f}s)"
 
 
 def all_reduce_metrics(sums):
@@ -366,7 +370,7 @@ def all_reduce_metrics(sums):
     dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
-    return loss_sum / max(count, 1), correct / max(count, 1), count
+    return loss_sum / (count or 1), correct / (count or 1), count
 
 
 @torch.no_grad()
@@ -387,7 +391,8 @@ def evaluate(model, loader, args, d, where):
 
 def log_metrics(args, state, **fields):
     """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
-    next step's) and the fields. plot_metrics.py draws the learning curve from it."""
+    next step's) and the fields (rank_seconds: slowest_rank's). plot_metrics.py draws the
+    learning curve from it."""
     if args.metrics:
         lr = state.scheduler.get_last_lr()[0]
         with open(args.metrics, "a") as f:
@@ -536,10 +541,6 @@ def build_parser():
     return parser
 
 
-def parse_args(argv=None):
-    return build_parser().parse_args(argv)
-
-
 def output_file(text):
     """An argparse type for a file the job writes: not a folder, and in a folder it can
     create files in (write and search permission), so that a bad path ends the run before
@@ -660,21 +661,23 @@ def run_rank(index, main, args):
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
-            # Raised in torch.distributed, or by Gloo in DDP's all-reduce inside backward: a
-            # collective failed (a peer is gone, say), and torch's message says so. Raised
-            # anywhere else: a bug, keep its traceback.
-            where = traceback.extract_tb(e.__traceback__)[-1].filename
-            if not where.startswith(os.path.dirname(dist.__file__)) and "gloo" not in str(e):
+            # Gloo's errors name its source file (".../gloo/transport/tcp/pair.cc"): a
+            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
+            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
+            # DistErrors.) Anything else is a bug: keep its traceback.
+            if "gloo" not in str(e):
                 traceback.print_exc()
             why = f"error: {type(e).__name__}: {e}"
-            # A collective timed out (Gloo's words): where each rank was at its last beat
-            # (Dist.beat), if every rank has beaten, from the job's store: "; rank by rank:
-            # ['step 2, backward', 'step 2, data']". (Not after a lost peer: a manual launch's
-            # store is rank 0's, and may have gone with it.)
+            # Where each rank was at its last beat (Dist.beat), if every rank has beaten, from
+            # the job's store: "; rank by rank: ['step 2, compute', 'step 2, data']". After a
+            # timeout (Gloo's words), every rank; after a lost peer, rank 0 alone: the store's
+            # host is rank 0 or torchrun's agent, and a peer's read would fail if rank 0 is
+            # the peer that was lost (with a C++ warning, breaking the one line).
             try:
                 store = dist.distributed_c10d._get_default_store()
                 keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                if "Timed out" in why and store.check(keys):  # get() will not wait
+                read = "Timed out" in why or dist.get_rank() == 0
+                if read and store.check(keys):  # get() will not wait
                     beats = [store.get(key).decode() for key in keys]
                     why += f"; rank by rank: {beats}"
             except Exception:  # no group yet: nothing to add
@@ -783,4 +786,4 @@ def bind_device(local_rank, local_world, gloo):
 
 
 if __name__ == "__main__":
-    launch(main, parse_args())
+    launch(main, build_parser().parse_args())

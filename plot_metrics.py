@@ -4,8 +4,9 @@ Run
   torchrun --standalone --nproc_per_node 2 03_ddp_train.py --metrics metrics.jsonl
   python plot_metrics.py metrics.jsonl --out curve.svg
 
-03 and 04 append one JSON line per logging step ({"step", "lr", "loss", "acc"}: that
-step's loss and accuracy over every rank's images) and one per epoch ({"step", "lr",
+03 and 04 append one JSON line per logging step ({"step", "lr", "loss", "acc",
+"rank_seconds"}: that step's loss and accuracy over every rank's images, and each rank's
+[data, forward] seconds since the last line) and one per epoch ({"step", "lr",
 "val_loss", "val_acc", "img_s"}). Two panels, against the global step: loss (training,
 validation) and accuracy (training, validation). Each point carries its step and value
 (data-step, data-value), so a test, or a person, can read them back.

@@ -59,7 +59,7 @@ def main() -> None:
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(60))
-    args = m.parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
+    args = m.build_parser().parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
     d = m.Dist(0, 1, device, 60.0)
     shape = {"--arch": args.arch}  # what 04 keeps of the run's settings (any dict will do)
     m.lock(folder)  # as rank 0 does at start: makes the folder, holds its lock

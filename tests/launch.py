@@ -569,13 +569,23 @@ def inserted_copy(path: Path, script: str, anchor: str, lines: str, after: bool 
     return path
 
 
-def stuck_copy(tmp_path: Path, phase: str, rank: int = 2) -> Path:
-    """03, but one rank stops for good at step 2 in phase (after its beat there), as a rank
-    whose data loading or forward never returns."""
+def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
+    """03, but one rank goes wrong at step 2 (its third), as the issue's hang cases:
+    - "data", "compute": it never returns from its data loading, or its forward (after its
+      beat there), as a rank blocked on a file or a lock;
+    - "frozen": it stops whole (SIGSTOP, after its data beat), as a hung machine;
+    - "skip": it skips the progress line after step 2 and its collectives, as a rank whose
+      code takes another branch."""
     source = (REPO / "03_ddp_train.py").read_text()
+    if case == "skip":
+        line = "if state.step % args.log_every == 0:\n"  # (-> elif)
+        skip = f"if d.rank == {rank} and state.step == 2:\n            pass\n        el"
+        return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", line, skip)
+    phase = "data" if case == "frozen" else case
     beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
     indent = beat[1]
-    stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    time.sleep(120)\n"
+    stop = "os.kill(os.getpid(), signal.SIGSTOP)" if case == "frozen" else "time.sleep(120)"
+    stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    {stop}\n"
     return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", beat[0], stuck, after=True)
 
 

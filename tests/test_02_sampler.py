@@ -147,6 +147,6 @@ def test_forgetting_set_epoch_repeats_the_order_and_says_so():
 )
 def test_out_of_range_arguments_are_usage_errors(args, message, capsys):
     with pytest.raises(SystemExit) as exit_:
-        load_script(SCRIPT).parse_args(args)
+        load_script(SCRIPT).build_parser().parse_args(args)
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err

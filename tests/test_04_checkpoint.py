@@ -82,11 +82,12 @@ def reference(tmp_path_factory):
 
 def last_per_step(log: Path) -> list[dict]:
     """The log as plot_metrics.py reads it (the last line for a step and kind), in step order,
-    without the timing (img_s)."""
+    without the timings (img_s, rank_seconds)."""
     latest = {}
     for line in log.read_text().splitlines():
         fields = json.loads(line)
         fields.pop("img_s", None)
+        fields.pop("rank_seconds", None)
         latest[fields["step"], "val_loss" in fields] = fields
     return [latest[key] for key in sorted(latest)]
 
@@ -645,7 +646,7 @@ def test_a_diverging_run_saves_no_non_finite_checkpoint(tmp_path):
 )
 def test_bad_arguments_are_usage_errors(argv, message, capsys):
     with pytest.raises(SystemExit) as e:
-        load_script(SCRIPT).parse_args(argv)
+        load_script(SCRIPT).build_parser().parse_args(argv)
     assert e.value.code == 2
     assert message in capsys.readouterr().err
 
