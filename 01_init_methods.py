@@ -315,13 +315,15 @@ def init_method(text):
 #                  waits for the ranks and passes on a signal sent to it alone.
 #   run_rank()     Runs main() and ends the process (exit hooks, then os._exit):
 #                  exit 0; exit 1 after one line, "[rank N] CHECK FAILED: ..." or "[rank N]
-#                  error: ..." (a SetupError, or torch.distributed's error: a lost peer,
-#                  say), a bug elsewhere keeping its traceback; any of STOP_SIGNALS (every
-#                  signal torchrun forwards, and SIGUSR1): "[rank N] stopped by SIGTERM",
-#                  exit 128 + the signal's number (a signal ignored at start, nohup's
-#                  SIGHUP, stays ignored). After a collective timed out (Gloo), where every
-#                  rank was at its last beat, if all have beaten: "; rank by rank: ['step 2,
-#                  backward', 'step 2, data']" names the rank the collective waited for.
+#                  error: ..." (a SetupError, or a failed collective: torch.distributed's
+#                  error, or Gloo's, whose text names its source files), a bug keeping its
+#                  traceback; any of STOP_SIGNALS (every signal torchrun forwards, and
+#                  SIGUSR1): "[rank N] stopped by SIGTERM in FUNCTION (FILE:LINE)", where
+#                  the signal found it, exit 128 + the signal's number (a signal ignored at
+#                  start, nohup's SIGHUP, stays ignored). After a collective timed out
+#                  (Gloo), where every rank was at its last beat, if all have beaten: ";
+#                  rank by rank: ['step 2, compute', 'step 2, data']" names the rank the
+#                  collective waited for (after a lost peer, rank 0 alone reads them).
 #   Dist.beat()    A training loop's "I am here": the step and phase ("step 2, data") put
 #                  in the job's store, read by run_rank without a collective; and a
 #                  faulthandler re-armed: a rank with no beat for --timeout + 5 s dumps
@@ -487,6 +489,8 @@ def run_rank(index, main, args):
     except KeyboardInterrupt as e:
         code = 128 + e.args[0]
         why = f"stopped by {signal.Signals(e.args[0]).name}"
+        if e.args[1:]:  # where the signal found this rank (a stuck one its launcher stops, say)
+            why += f" in {e.args[1]}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
     if why:
@@ -500,8 +504,10 @@ def run_rank(index, main, args):
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signum)
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly;
+    # with the line the signal found it at, for its one line
+    where = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+    raise KeyboardInterrupt(signum, where)
 
 
 class Dist(NamedTuple):

@@ -498,6 +498,8 @@ def run_rank(index, main, args):
     except KeyboardInterrupt as e:
         code = 128 + e.args[0]
         why = f"stopped by {signal.Signals(e.args[0]).name}"
+        if e.args[1:]:  # where the signal found this rank (a stuck one its launcher stops, say)
+            why += f" in {e.args[1]}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
     if why:
@@ -511,8 +513,10 @@ def run_rank(index, main, args):
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly
-    raise KeyboardInterrupt(signum)
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly;
+    # with the line the signal found it at, for its one line
+    where = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
+    raise KeyboardInterrupt(signum, where)
 
 
 class Dist(NamedTuple):

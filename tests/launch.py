@@ -589,6 +589,13 @@ def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
     return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", beat[0], stuck, after=True)
 
 
+def stopped(line: str, sig: str) -> bool:
+    """Whether line is run_rank's for a rank that sig ended through stop():
+    "[rank N] stopped by SIGTERM in FUNCTION (FILE:LINE)", where the signal found it."""
+    # (FILE may hold a space: "<frozen abc>")
+    return re.fullmatch(rf"\[rank \d+\] stopped by {sig} in \S+ \(.+:\d+\)", line) is not None
+
+
 def load_script(script: str):
     """Import a script as a module (its __main__ block does not run): for argument checks."""
     import importlib.util
