@@ -158,7 +158,7 @@ def main(args):
             if d.rank == 0:
                 (args.checkpoint_dir / "preempted").touch()  # after the save: it is on disk
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
-            raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
+            raise KeyboardInterrupt(stop, "")  # run_rank: one line, exit 128 + the signal
 
     losses = []
     while state.epoch < args.epochs:
@@ -481,7 +481,7 @@ def slowest_rank(times, d):
     table = times.to(d.device, copy=True)
     dist.all_reduce(table)  # each rank's row (the others are zeros here)
     times.zero_()
-    seconds = table.tolist()  # (waits for the GPU, as the line's all-reduce did)
+    seconds = table.tolist()  # (waits for the GPU, as all_reduce_metrics' .tolist() did)
     before = table.sum(1)
     rank = int(before.argmax())
     if before[rank] < 2 * before.median():
@@ -1091,38 +1091,40 @@ def run_rank(index, main, args):
         if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
             signal.signal(sig, stop)
     code = 1  # unless main returns
+    why = ""
     try:
         try:
             main(args)
             code = 0
-            why = ""
         except CheckFailed as e:
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:  # expected: one line says why
             # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
-            # Gloo's errors name its source file (".../gloo/transport/tcp/pair.cc"): a
+            why = f"error: {type(e).__name__}: {e}"
+            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
             # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
             # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
             # DistErrors.) Anything else is a bug: keep its traceback.
-            if "gloo" not in str(e):
+            if "gloo/" not in why:
                 traceback.print_exc()
-            why = f"error: {type(e).__name__}: {e}"
-            # Where each rank was at its last beat (Dist.beat), if every rank has beaten, from
-            # the job's store: "; rank by rank: ['step 2, compute', 'step 2, data']". After a
-            # timeout (Gloo's words), every rank; after a lost peer, rank 0 alone: the store's
-            # host is rank 0 or torchrun's agent, and a peer's read would fail if rank 0 is
-            # the peer that was lost (with a C++ warning, breaking the one line).
-            try:
-                store = dist.distributed_c10d._get_default_store()
-                keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                read = "Timed out" in why or dist.get_rank() == 0
-                if read and store.check(keys):  # get() will not wait
-                    beats = [store.get(key).decode() for key in keys]
-                    why += f"; rank by rank: {beats}"
-            except Exception:  # no group yet: nothing to add
-                pass
+            else:
+                # A failed collective: where each rank was at its last beat (Dist.beat), if
+                # every rank has beaten, from the job's store: "; rank by rank: ['step 2,
+                # compute', 'step 2, data']". After a timeout (Gloo's words), every rank;
+                # after a lost peer, rank 0 alone: the store's host is rank 0 or torchrun's
+                # agent (one node), and a peer's read would fail if rank 0 is the peer that
+                # was lost (with a C++ warning, breaking the one line).
+                try:
+                    store = dist.distributed_c10d._get_default_store()
+                    keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
+                    read = "Timed out" in why or dist.get_rank() == 0
+                    if read and store.check(keys):  # get() will not wait
+                        beats = [store.get(key).decode() for key in keys]
+                        why += f"; rank by rank: {beats}"
+                except Exception:  # the store unreachable: nothing to add
+                    pass
         finally:
             # Ending already: a signal from now on could only garble the line. One that
             # arrives before this loop is done is caught below, like one arriving in the
@@ -1131,13 +1133,13 @@ def run_rank(index, main, args):
             # its own error, about one run in six here).
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-    # from stop(): unwound, now one line; also when the signal (torchrun's SIGTERM to the
-    # others, say) arrives while the rank is already ending on an error of its own
+    # from stop() (the signal's number, and where it found this rank): unwound, now one line.
+    # A rank already ending on an error of its own when the signal came (torchrun's SIGTERM
+    # to the others, say) keeps that error's line and exit code.
     except KeyboardInterrupt as e:
-        code = 128 + e.args[0]
-        why = f"stopped by {signal.Signals(e.args[0]).name}"
-        if e.args[1:]:  # where the signal found this rank (a stuck one its launcher stops, say)
-            why += f" in {e.args[1]}"
+        if not why:
+            code = 128 + e.args[0]
+            why = f"stopped by {signal.Signals(e.args[0]).name}{e.args[1]}"
     # The end, out of the except blocks: their exception held the frames it passed through,
     # and what those held is released now (DataLoader workers end), before the exit hooks.
     if why:
@@ -1151,10 +1153,13 @@ def run_rank(index, main, args):
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly;
-    # with the line the signal found it at, for its one line
-    where = f"{frame.f_code.co_name} ({frame.f_code.co_filename}:{frame.f_lineno})"
-    raise KeyboardInterrupt(signum, where)
+    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly.
+    # Its line says where the signal found it: the innermost frame of this file (run_rank's
+    # at least), so a rank stuck in torch's code or a library's names the line here that
+    # called it.
+    while frame.f_code.co_filename != __file__:
+        frame = frame.f_back
+    raise KeyboardInterrupt(signum, f" in {frame.f_code.co_name} (line {frame.f_lineno})")
 
 
 class Dist(NamedTuple):

@@ -570,7 +570,8 @@ def inserted_copy(path: Path, script: str, anchor: str, lines: str, after: bool 
 
 
 def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
-    """03, but one rank goes wrong at step 2 (its third), as the issue's hang cases:
+    """03, but one rank goes wrong at step 2 (state.step 2: its third step, or the progress
+    line after its second), as the issue's hang cases:
     - "data", "compute": it never returns from its data loading, or its forward (after its
       beat there), as a rank blocked on a file or a lock;
     - "frozen": it stops whole (SIGSTOP, after its data beat), as a hung machine;
@@ -590,10 +591,9 @@ def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
 
 
 def stopped(line: str, sig: str) -> bool:
-    """Whether line is run_rank's for a rank that sig ended through stop():
-    "[rank N] stopped by SIGTERM in FUNCTION (FILE:LINE)", where the signal found it."""
-    # (FILE may hold a space: "<frozen abc>")
-    return re.fullmatch(rf"\[rank \d+\] stopped by {sig} in \S+ \(.+:\d+\)", line) is not None
+    """Whether line is run_rank's for a rank that sig ended through stop(): "[rank N] stopped
+    by SIGTERM in FUNCTION (line N)", where the signal found it in the script."""
+    return re.fullmatch(rf"\[rank \d+\] stopped by {sig} in \S+ \(line \d+\)", line) is not None
 
 
 def load_script(script: str):

@@ -664,10 +664,12 @@ def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(case, launcher
     where = f"rank by rank: ['step 2, compute', 'step 2, compute', 'step 2, {phase}']"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours[:2]] == ["[rank 0]", "[rank 1]"], r
-    assert any(f"Timed out waiting {timeout}000ms" in line for line in ours[:2]), r
+    assert any(f"Timed out waiting {timeout}000ms" in x and x.endswith(where) for x in ours), r
     for line in ours[:2]:
         if "Timed out" in line:
-            assert line[8:].startswith(" error: RuntimeError: ") and line.endswith(where), r
+            assert line[8:].startswith(" error: RuntimeError: "), r
+            # (its SIGTERM may come while it reads the beats: the line stays, without them)
+            assert line.endswith(where) or launcher != "forked", r
         else:  # A launcher stops the others (SIGTERM) once one rank has failed: rank 0 or 1
             # may be stopped before its own wait ran out (CI saw it)
             assert launcher != "forked" and stopped(line, "SIGTERM"), r
@@ -677,11 +679,12 @@ def test_a_stuck_rank_is_named_by_the_others_and_leaves_its_stack(case, launcher
         assert len(ours) == 2, r
     elif case == "frozen":  # killed while stopped: no word from it, the launcher names it
         assert len(ours) == 2 and re.search(r"SIGKILL|via 9|code -9", r.stderr), r
-    else:  # and where the SIGTERM found it: its sleep, the line after its beat
-        copy = tmp_path / "stuck.py"
-        lines = [x.strip() for x in copy.read_text().splitlines()]
+    elif ours[2:]:  # and where the SIGTERM found it: its sleep, the line after its beat
+        lines = [x.strip() for x in (tmp_path / "stuck.py").read_text().splitlines()]
         line = lines.index("time.sleep(120)") + 1
-        assert ours[2:] == [f"[rank 2] stopped by SIGTERM in train_one_epoch ({copy}:{line})"], r
+        assert ours[2:] == [f"[rank 2] stopped by SIGTERM in train_one_epoch (line {line})"], r
+    else:  # unless its own watchdog came first (--timeout + 5 s after its beat): its stack
+        assert "Timeout (0:00:08)!" in r.stderr and "in train_one_epoch" in r.stderr, r
 
 
 @pytest.mark.parametrize(
