@@ -716,8 +716,11 @@ def test_a_rank_that_skips_collectives_ends_the_job_at_once_and_rank_0_names_it(
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert len({line[:8] for line in ours}) == len(ours) <= 2, r  # the aborted rank: none
     ahead = "; rank by rank: ['step 1, compute', 'step 1, compute', 'step 2, compute']"
+    assert ours[0].startswith("[rank 0] "), r
     if launcher == "forked":
         assert ours[0].startswith("[rank 0] error: RuntimeError: "), r
         assert ours[0].endswith(ahead), r
-    else:
-        assert ours[0].endswith(ahead) or stopped(ours[0], "SIGTERM"), r
+    else:  # unless the launcher's SIGTERM came first (its stop), or while it read the beats
+        # (its error alone): 20 of 20 torchrun runs named them on 2.4.1, 2026-11-27
+        gloo = ours[0].startswith("[rank 0] error: RuntimeError: [") and "gloo/" in ours[0]
+        assert gloo or stopped(ours[0], "SIGTERM"), r
