@@ -63,7 +63,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-# setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
+# The shared plumbing is at the bottom of this file, the same in all six scripts (explained
+# where it begins): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this
+# process's device, joins the process group and returns d (rank, world_size, device);
+# launch() starts the ranks, and run_rank() ends each with one line (so no
+# destroy_process_group: NOTES.md says why); check() and SetupError fail loudly.
 
 
 def main(args):

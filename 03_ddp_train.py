@@ -58,7 +58,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
-# setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
+# The shared plumbing is at the bottom of this file, the same in all six scripts (01 explains
+# it): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this process's
+# device, joins the process group and returns d (rank, world_size, device); launch() starts
+# the ranks, and run_rank() ends each with one line (so no destroy_process_group: NOTES.md
+# says why); check() and SetupError fail loudly. Read it last, or not at all.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 
 
@@ -77,14 +81,16 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    torch.manual_seed(0)  # the same initial weights on every rank (DDP broadcasts them too)
+    # the same initial weights on every rank, and in a one-process run (DDP would copy
+    # rank 0's to the others anyway)
+    torch.manual_seed(0)
     model = build_model(args, num_classes).to(d.device, args.dtype)
     # torch.compile: model.compile() here, before DDP (the docstring says why)
     ddp_model = DDP(
         model,
         device_ids=[d.device] if cuda else None,  # CPU: None
         # DDP's knobs, not passed here (so at their defaults); to change one, pass it as
-        # shown (the tests train with each pair of them set):
+        # shown (the tests train with every two of them set together):
         # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
         #   as soon as backward has filled it (overlapping communication with computation);
         # find_unused_parameters=True: some parameters may get no gradient in a step (DDP
@@ -92,11 +98,10 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP's default copies rank 0's buffers (BatchNorm's statistics) to every rank at each
-    # forward, a collective per step; off here (the copy at construction stays), and main
-    # copies them once an epoch, before validation. An attribute, not DDP(...,
-    # broadcast_buffers=False): 2.15 deprecates that for forward_sync_buffers=, which 2.4
-    # lacks; the attribute works on both (a property in 2.15).
+    # By default DDP overwrites every rank's buffers (BatchNorm's running statistics) with
+    # rank 0's at each forward: a collective per step. Off here; the epoch loop copies
+    # rank 0's once an epoch, before validation. (An attribute: torch 2.15 deprecates
+    # DDP(..., broadcast_buffers=False) for forward_sync_buffers=, which torch 2.4 lacks.)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     # SGD with momentum; OneCycleLR (below) cycles the momentum between 0.85 and 0.95
@@ -116,10 +121,9 @@ def main(args):
         train_loader.dataset.epoch = state.epoch
         loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d)
         losses.append(loss)
-        # With broadcast_buffers off (above), each rank's BatchNorm statistics follow its own
-        # shard; rank 0's are copied to every rank now, so that all evaluate the model rank 0
-        # saves. (DDP's default copies them at every forward: a collective per step, which
-        # changes none of rank 0's.)
+        # Each rank's BatchNorm statistics followed its own shard (broadcast_buffers off,
+        # above): rank 0's are copied to every rank now, so that all evaluate the model
+        # rank 0 saves.
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
         val_loss, val_acc, val_count = evaluate(
@@ -133,7 +137,8 @@ def main(args):
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if args.save_model:  # the plain model (keys without "module."); the others hear the outcome
+    # rank 0 saves the plain model (keys without "module."); every rank hears if that failed
+    if args.save_model:
         rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
     if d.rank == 0:
         # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
@@ -275,34 +280,35 @@ class TrainState:
 
 def train_one_epoch(model, loader, state, args, d):
     """One pass over this rank's shard. Returns the epoch's loss and accuracy over all ranks,
-    and its speed in images per second."""
+    and its speed in images per second. model is the DDP wrapper (main's ddp_model);
+    state.model, the plain model it wraps."""
     model.train()
     amp = AMP_DTYPES.get(args.amp)
     now = time.perf_counter  # seconds: for the speed, and each rank's time in data and forward
     started = now()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
-    # each rank's seconds since the last progress line in its data loading and its forward,
-    # both before the gradient all-reduce: this rank's row (slowest_rank gathers them)
+    # seconds since the last progress line, one row per rank: (data loading, forward), both
+    # before the gradient all-reduce. This rank fills its own row; slowest_rank sums the
+    # tables of all ranks (an all-reduce), which gathers every row.
     times = torch.zeros(d.world_size, 2)
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
-            # each rank's phase, for the line that names who is elsewhere if a collective
-            # times out: its data, then its compute (forward, backward and the gradient
-            # all-reduce). Dist.beat (the shared plumbing, below) writes it to the job's
-            # store, no collective, and re-arms a watchdog that dumps this rank's stacks and
-            # ends it if no beat comes for --timeout + 5 s.
+            # Diagnostics, not DDP: d.beat records where this rank is (its data, then its
+            # compute: forward, backward and the gradient all-reduce), for the error line
+            # that names who is elsewhere if a collective times out, and re-arms a watchdog
+            # that ends a rank stuck for --timeout + 5 s with its stacks (Dist, the plumbing).
             d.beat(f"step {state.step}, data")
             loading = now()
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. static_graph's first backward must sync (inside no_sync
-            # it fails an assertion, pytorch#143580); the extra sync is exact: every rank
-            # then holds the same average.
+            # all-reduces their sum. With static_graph=True passed to DDP (not by default),
+            # the first backward must sync (inside no_sync it fails an assertion,
+            # pytorch#143580); the extra sync is exact: every rank then holds the same average.
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 d.beat(f"step {state.step}, compute")
@@ -342,14 +348,18 @@ def train_one_epoch(model, loader, state, args, d):
 
 
 def slowest_rank(times, d):
-    """The rank the others waited for since the last progress line, and on what: the gradient
-    all-reduce makes every rank's step take the slowest's time, so the rank that spent the
-    most in data loading and forward (before the all-reduce) held up the others. Named when
-    that was over twice the median rank's, with the phase of its larger excess and how many
-    seconds more than the median rank it spent there since the last line: about what the
-    others waited. (Backward holds the all-reduce's wait: it is not timed. GPUs: NOTES.md.)
-    Returns every rank's [data, forward] seconds (for --metrics) and that line's text, or "".
-    Every rank calls it."""
+    """Which rank held up the others since the last progress line, and where.
+
+    The gradient all-reduce makes every rank's step as slow as the slowest's, so the rank
+    with the most seconds before it (data loading + forward) is the one the others waited
+    for. It is named when that is over twice the median rank's, with the phase where its
+    excess over the median is larger ("data", or "compute" for the forward) and its whole
+    excess in seconds: about what the others waited. Backward is not timed: on Gloo it holds
+    the all-reduce's wait. On GPUs only the data column tells much: the forward's host time
+    is the time to queue its kernels, so a slow GPU is not named (NOTES.md).
+
+    Returns every rank's [data, forward] seconds (for --metrics) and the text for the
+    progress line ("" or "  slowest: rank 2 (data +0.27s)"). Every rank calls it."""
     table = times.to(d.device, copy=True)
     dist.all_reduce(table)  # each rank's row (the others are zeros here)
     times.zero_()
@@ -375,7 +385,8 @@ def all_reduce_metrics(sums):
 
 @torch.no_grad()
 def evaluate(model, loader, args, d, where):
-    """The loss and accuracy over every rank's validation shard, and the number of images."""
+    """The loss and accuracy over every rank's validation shard, and the number of images.
+    where: this rank's beat (Dist.beat) at each batch, the phase an error line names."""
     # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
     model.eval()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images

@@ -59,7 +59,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 LR = 0.01  # SGD's learning rate
 
-# setup(), launch(), check() and SetupError are the shared plumbing at the bottom of this file.
+# The shared plumbing is at the bottom of this file, the same in all six scripts (01 explains
+# it): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this process's
+# device, joins the process group and returns d (rank, world_size, device); launch() starts
+# the ranks, and run_rank() ends each with one line (so no destroy_process_group: NOTES.md
+# says why); check() and SetupError fail loudly. Read it last, or not at all.
 
 
 def main(args):
