@@ -488,7 +488,7 @@ class _ForkedProcess:
         return self.process.exitcode
 
     def poll(self) -> int | None:
-        return self.process.exitcode
+        return self.returncode
 
     def wait(self, timeout: float | None = None) -> int:
         self.process.join(timeout)
@@ -577,11 +577,11 @@ def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
     - "frozen": it stops whole (SIGSTOP, after its data beat), as a hung machine;
     - "skip": it skips the progress line after step 2 and its collectives, as a rank whose
       code takes another branch."""
-    source = (REPO / "03_ddp_train.py").read_text()
     if case == "skip":
         line = "if state.step % args.log_every == 0:\n"  # (-> elif)
         skip = f"if d.rank == {rank} and state.step == 2:\n            pass\n        el"
         return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", line, skip)
+    source = (REPO / "03_ddp_train.py").read_text()
     phase = "data" if case == "frozen" else case
     beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
     indent = beat[1]
