@@ -19,36 +19,26 @@ Run
 Every process joins one process group, reports who it is, and runs four collectives
 whose answers are known in advance; rank 0 prints the table and the checks.
 
-Words (most are columns of the table rank 0 prints)
-  world size  how many processes take part in the job (2 nodes x 2 processes = 4).
+Words (most are columns of rank 0's table)
+  world size  processes in the job (2 nodes x 2 processes = 4).
   rank        a process's id in the job, 0 .. world size - 1; rank 0 is the "master".
-  local rank  its id on its own node, 0 .. processes per node - 1; it picks the GPU,
-              because GPU numbers restart on every machine (global rank would not).
-  node rank   which machine: rank = node rank * per node + local rank, so node rank =
-              rank // per node (torchrun also sets it, as GROUP_RANK).
-  group       a set of ranks that run collectives together; the default group is all
-              of them, dist.new_group() makes smaller ones (here: even and odd ranks).
-  backend     the library that moves the tensors: NCCL between GPUs, Gloo on CPUs.
-  master address and port
-              where rank 0 listens so that the others can find it: MASTER_ADDR and
-              MASTER_PORT for env://, or written into tcp://HOST:PORT.
+  local rank  its id on its node; it picks the GPU (GPU numbers restart on every machine).
+  node rank   which machine: rank = node rank * processes per node + local rank.
+  group       ranks that run collectives together: all of them, or dist.new_group()'s.
+  backend     what moves the tensors: NCCL between GPUs, Gloo on CPUs.
 
 Three ways to meet (--init-method). env:// reads RANK, WORLD_SIZE, LOCAL_RANK,
-LOCAL_WORLD_SIZE, MASTER_ADDR and MASTER_PORT from each process's environment: torchrun
-sets them all; --spawn N, or a plain run (a world of one), sets them for processes on this
-machine; a manual launch sets the first four from --rank, --world-size, --local-rank and
---local-world-size. tcp://HOST:PORT names rank 0's address in the URL instead of
-MASTER_ADDR and MASTER_PORT; file:///PATH meets in a file. Under a launcher (torchrun, or
-a manual launch) --spawn is ignored: the processes are started already.
+LOCAL_WORLD_SIZE and MASTER_ADDR:MASTER_PORT (where rank 0 listens) from the environment:
+torchrun, --spawn and a plain run set them all, a manual launch the first four from its
+options. tcp://HOST:PORT names rank 0's address in the URL; file:///PATH meets in a file.
 
-Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
+Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
 
 import argparse
 import atexit
 import concurrent.futures
 import datetime
-import faulthandler
 import os
 import re
 import signal
@@ -57,17 +47,13 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 # The shared plumbing is at the bottom of this file, the same in all six scripts (explained
-# where it begins): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this
-# process's device, joins the process group and returns d (rank, world_size, device);
-# launch() starts the ranks, and run_rank() ends each with one line (so no
-# destroy_process_group: NOTES.md says why); check() and SetupError fail loudly.
+# where it begins); setup() returns d: rank, world_size, device.
 
 
 def main(args):
@@ -80,13 +66,12 @@ def main(args):
             f"world_size={d.world_size}"
         )
         say(rank_table(rows))
-    # ---- checks: every rank checks the gathered table and four collectives with known answers
+    # ---- checks, on every rank: the table, and four collectives with known answers
     verify_table(rows, d.world_size)
     summary = verify_collectives(d, args.timeout)
     dist.barrier()  # nobody leaves while another rank may still be checking
     if d.rank == 0:
-        # torch's FileStore deletes its file when destroyed, but every rank ends with os._exit;
-        # past the barrier, no rank needs it any more
+        # ranks end with os._exit, so torch never deletes the file; now none needs it
         if args.rendezvous_file:
             args.rendezvous_file.unlink(missing_ok=True)
         say(
@@ -96,21 +81,18 @@ def main(args):
 
 
 def join(args):
-    """Join the process group. env:// (torchrun, --spawn, one process) is the shared setup();
-    tcp:// and file:// are done here, where each way of meeting can be seen."""
+    """Join the process group: env:// in the shared setup(); tcp:// and file:// here, where
+    each way of meeting can be seen."""
     gloo = args.backend == "gloo"
-    if args.init_method == "env://":  # MASTER_ADDR:MASTER_PORT: rank 0's TCP store
+    if args.init_method == "env://":  # MASTER_ADDR:MASTER_PORT: rank 0's store
         return setup(args.timeout, gloo=gloo)
-    # as setup() reads them: set by torchrun, --spawn, or a manual launch from its options
     rank, world, local_rank, local_world = (
         int(os.environ[name]) for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
     )
     device = bind_device(local_rank, local_world, gloo)
     hint = check_rendezvous_file(args.rendezvous_file, world) if args.rendezvous_file else ""
-    # tcp://HOST:PORT: rank 0 listens there, the others connect (torch retries, with delays).
-    # file://PATH: every rank writes its address into the file and reads the others'.
-    # As in setup() (which knows env:// only), a thread joins and this one waits for it: the
-    # deadline, or a signal (Ctrl-C), ends the wait even where torch's own would not end.
+    # tcp://: rank 0 listens on HOST:PORT, the others connect; file://: each rank writes its
+    # address into the file. As in setup(), a thread joins: the deadline or Ctrl-C ends the wait.
     cuda = device.type == "cuda"
     started = time.monotonic()
     joining = concurrent.futures.ThreadPoolExecutor(1).submit(
@@ -124,10 +106,9 @@ def join(args):
     )
     try:
         joining.result(args.timeout + 2)
-    except Exception as e:  # torch's error, or at our deadline a TimeoutError, with no text
-        why = str(e).partition("\n")[0] or "torch is still waiting"  # (C++ adds a stack trace)
-        # Failing after --timeout, a wait ran out (torch's, or ours): ranks are missing.
-        # Told by the time, not the text: file://'s own says only "Wait timeout".
+    except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
+        why = str(e).partition("\n")[0] or "torch is still waiting"
+        # after --timeout, a wait ran out: ranks are missing (file:// says only "Wait timeout")
         if time.monotonic() - started < args.timeout:
             raise SetupError(
                 f"cannot join the process group at {args.init_method}: {why}{hint}"
@@ -136,22 +117,19 @@ def join(args):
             f"not all of {world} ranks joined within {args.timeout:g}s ({args.init_method}): "
             f"{why}{hint}"
         ) from e
-    return Dist(rank, world, device, args.timeout)
+    return argparse.Namespace(rank=rank, world_size=world, device=device)  # as setup()
 
 
 def check_rendezvous_file(path, world):
-    """torch needs a file that is new (or empty) at every init: an earlier job's leftover can
-    make Gloo connect to ranks long gone, retrying well past --timeout, or pair up with the
-    wrong ranks. Refuse one that is surely stale: no other rank in a world of one, or every
-    rank of a job this size has opened it already, so none of this job's is among them. Not
-    its age: a live rank 0's file can look old where clocks differ (NFS clients). Else
-    return a hint for any failure to join, if the file was there already."""
+    """Refuse a file surely left by an earlier job (torch needs a fresh one, or pairs ranks
+    with ones long gone): in a world of one, or once every rank of a job this size opened it.
+    Not by age: clocks differ between machines. Else a hint for a failure to join."""
     if not path.exists():
         return ""  # this rank makes it: a fresh file
     data = path.read_bytes()
-    # torch's FileStore file is a list of records (a 4-byte length, then the bytes), key then
-    # value; each process that opens it appends the key "refcount/" and the new count.
-    _, key, after = data.rpartition(b"refcount/")  # after the last count's key: its record
+    # records of a 4-byte length and bytes, key then value; each process that opens the
+    # file appends "refcount/" and the new count
+    _, key, after = data.rpartition(b"refcount/")
     size = int.from_bytes(after[:4], "little")
     opened = int(after[4 : 4 + size] or 0) if key else 0
     if world == 1 or opened >= world:
@@ -166,7 +144,7 @@ def describe_rank(d):
     return dict(
         rank=d.rank,
         local_rank=int(os.environ["LOCAL_RANK"]),
-        node_rank=d.rank // int(os.environ["LOCAL_WORLD_SIZE"]),  # rank = node * size + local
+        node_rank=d.rank // int(os.environ["LOCAL_WORLD_SIZE"]),
         world_size=dist.get_world_size(),
         host=socket.gethostname(),
         pid=os.getpid(),
@@ -193,10 +171,8 @@ def verify_table(rows, world_size):
     check(ranks == list(range(world_size)), "ranks", f"expected 0..{world_size - 1}, got {ranks}")
     slots = [(r["node_rank"], r["local_rank"]) for r in rows]
     check(len(set(slots)) == len(slots), "local ranks", f"two processes share a slot: {slots}")
-    # One node never spans two machines (several nodes on one machine are fine: a test's
-    # two torchrun agents). A manual launch that leaves out --local-rank and
-    # --local-world-size assumes one machine: on two, ranks there would claim node 0.
-    machines = sorted({(r["node_rank"], r["host"]) for r in rows})  # (node rank, host) pairs
+    # a node is on one machine (a machine may hold several nodes)
+    machines = sorted({(r["node_rank"], r["host"]) for r in rows})
     check(
         len(machines) == len({node for node, _ in machines}),
         "nodes",
@@ -222,8 +198,8 @@ def verify_collectives(d, timeout):
     dist.broadcast(token, src=0)  # rank 0's value overwrites everyone's
     check(token.item() == 1000, "broadcast", f"expected rank 0's 1000, got {token.item()}")
 
-    # Every rank must call new_group for every group, members or not, in the same order.
-    # A group's timeout is the backend's default (10 or 30 min), not the default group's.
+    # Every rank calls new_group for every group, members or not, in the same order. Pass
+    # timeout: a group's default is the backend's (10 or 30 min), not the default group's.
     halves = [list(range(start, ws, 2)) for start in range(min(ws, 2))]  # even ranks, odd ranks
     limit = datetime.timedelta(seconds=timeout)
     groups = [dist.new_group(ranks, timeout=limit) for ranks in halves]
@@ -231,7 +207,6 @@ def verify_collectives(d, timeout):
     s = mine.clone()
     dist.all_reduce(s, group=groups[d.rank % 2])  # only the members of my group take part
     check(s.item() == sum(members), f"all_reduce in group {members}", f"got {s.item()}")
-    # (past the barrier in main(), every rank has checked its own group's sum)
     return (
         f"all_reduce sum={total.item()}, all_gather={got}, broadcast={token.item()}, "
         f"all_reduce in groups {halves}: sums {[sum(ranks) for ranks in halves]}"
@@ -254,7 +229,7 @@ def build_parser():
         default="auto",
         help="auto: NCCL if a GPU is visible, else Gloo (default: %(default)s)",
     )
-    # a manual launch, one command per process, says who each process is
+    # a manual launch says who each process is
     parser.add_argument("--rank", type=number(int, 0), help="by hand: this process's rank")
     parser.add_argument("--world-size", type=number(int, 1), help="by hand: processes in all")
     parser.add_argument(
@@ -280,7 +255,7 @@ def parse_args(argv=None):
         parser.error(
             "--rank and --world-size go together, for a manual launch (--spawn N sets both)"
         )
-    if args.rank is not None:  # where does it sit on its machine? Unsaid: one machine holds all
+    if args.rank is not None:  # its place on its machine; unsaid: one machine holds all
         if args.local_rank is None:
             args.local_rank = args.rank
         args.local_world_size = args.local_world_size or args.world_size
@@ -299,8 +274,8 @@ def parse_args(argv=None):
 
 
 def init_method(text):
-    """An argparse type: env://, tcp://HOST:PORT (an IPv6 host in brackets, [::1]) or
-    file:///PATH in a folder that exists (torch would wait for it forever)."""
+    """An argparse type: env://, tcp://HOST:PORT (IPv6 in brackets: [::1]) or file:///PATH
+    in a folder that exists (torch would wait for it forever)."""
     if text == "env://" or re.fullmatch(r"tcp://(\[[0-9A-Fa-f:.]+\]|[^:/\[\]]+):\d+", text):
         return text
     if not (text.startswith("file:///") and Path(text.removeprefix("file://")).parent.is_dir()):
@@ -311,43 +286,16 @@ def init_method(text):
 
 
 # The shared plumbing below, in the order a rank meets it:
-#   launch()       A process that a launcher started (RANK is set: torchrun, or a manual
-#                  launch) runs as its rank, and --spawn is ignored. Else --spawn N starts
-#                  N ranks with mp.spawn (N = 0: one per GPU, else 2), and a plain run
-#                  is a world of one; launch() sets their variables as torchrun would,
-#                  MASTER_ADDR:MASTER_PORT a free port of this machine. Under --spawn it
-#                  waits for the ranks and passes on a signal sent to it alone.
-#   run_rank()     Runs main() and ends the process (exit hooks, then os._exit):
-#                  exit 0; exit 1 after one line, "[rank N] CHECK FAILED: ..." or "[rank N]
-#                  error: ..." (a SetupError, or a failed collective: torch.distributed's
-#                  error, or Gloo's, whose text names its source files), a bug keeping its
-#                  traceback; any of STOP_SIGNALS (every signal torchrun forwards, and
-#                  SIGUSR1): "[rank N] stopped by SIGTERM in FUNCTION (line N)", where in
-#                  this file the signal found it, exit 128 + the signal's number (a signal
-#                  ignored at start, nohup's SIGHUP, stays ignored; a rank already ending on
-#                  its own error keeps that line). After a collective timed out
-#                  (Gloo), where every rank was at its last beat, if all have beaten: ";
-#                  rank by rank: ['step 2, compute', 'step 2, data']" names the rank the
-#                  collective waited for (after a lost peer, rank 0 alone reads them).
-#   Dist.beat()    A training loop's "I am here": the step and phase ("step 2, data") put
-#                  in the job's store, read by run_rank without a collective; and a
-#                  faulthandler re-armed: a rank with no beat for --timeout + 5 s dumps
-#                  every thread's stack and exits (nothing is left running).
-#   setup()        env:// (or a store it is given): checks the four launcher variables,
-#                  bind_device(), then joins in a thread and waits for it, until --timeout
-#                  + 2 s or a signal: "not all of W ranks joined within Ts (env:// at
-#                  HOST:PORT); start the others", or "cannot join the process group at
-#                  ...: " + torch's first line.
-#   bind_device()  Gives torch's threads this process's share of the cores. gloo=True, or
-#                  no CUDA: the CPU. Else cuda:LOCAL_RANK (or the one GPU it sees), set
-#                  before init_process_group, which gets it as device_id (NCCL connects now).
-#   say()          Rank 0's story; a line stdout cannot take is dropped, not an error.
-#   number()       An argparse type: a number in a range (never nan or inf).
-#   (03, 04 and 05, which write files, also share output_file(), rank0_writes() and
-#   write_atomic(), outside the block: rank 0 writes a file whole, and every rank raises
-#   rank 0's error, so none waits for a rank 0 that failed.)
-#   check(), CheckFailed, SetupError
-#                  A property that did not hold; a job that cannot run as configured.
+#   launch()       under a launcher (RANK set: torchrun, a manual launch) runs this process
+#                  as its rank; else starts --spawn N ranks, or one, with torchrun's
+#                  variables and a free port, and passes a signal on to them.
+#   run_rank()     runs main(), then ends the process (exit hooks, os._exit): exit 0, or
+#                  one line, "[rank N] CHECK FAILED: ...", "[rank N] error: ..." (a bug also
+#                  keeps its traceback) or "[rank N] stopped by SIGTERM" (exit 128 + signal).
+#   setup()        env://: checks the launcher's variables, binds the device, then joins in
+#                  a thread, so that --timeout + 2 s or Ctrl-C ends the wait.
+#   bind_device()  this process's share of the cores; with CUDA, its GPU, set before init.
+#   say(), number(), check(): rank 0's story, an argparse range, a property that must hold.
 
 
 # ==== shared plumbing: begin ==== the same in all six scripts; 01_init_methods.py explains it
@@ -367,21 +315,21 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
-    into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
+    `head` that has exited) is dropped."""
     try:
         print(text, flush=True)
     except OSError:
         pass
 
 
-def number(cast, low, high=2**32):
-    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+def number(cast, low):
+    """An argparse type: a number with low <= value < 2**32, which nan and inf never are."""
 
     def parse(text):
         value = cast(text)
-        if not low <= value < high:
-            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        if not low <= value < 2**32:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
     return parse
@@ -390,12 +338,12 @@ def number(cast, low, high=2**32):
 def add_launch_args(parser):
     parser.add_argument(
         "--spawn",
-        type=number(int, 0),
-        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
+        type=number(int, 1),
+        help="start SPAWN processes with mp.spawn (on GPUs: one per GPU)",
     )
     parser.add_argument(
         "--timeout",
-        type=number(float, 0.1, 1e6),
+        type=number(float, 0.1),
         default=300.0,
         help="seconds to wait for a peer or a collective (default: %(default)g)",
     )
@@ -403,52 +351,50 @@ def add_launch_args(parser):
 
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
-    # --spawn N (0: one per GPU, else 2); no launcher and no --spawn: a world of one, through
-    # the same code path
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
-    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
+    if torch.__version__ < (2, 4):  # a TorchVersion compares as numbers
+        sys.exit(f"error: needs torch >= 2.4; torch {torch.__version__} is installed")
+    if "RANK" in os.environ:  # a launcher (torchrun) started this process
+        run_rank(None, main, args)  # (never returns)
+    n = args.spawn or 1  # without --spawn: a world of one
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port
         port = s.getsockname()[1]
-    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    # as torchrun would set them; run_rank adds RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)  # (never returns)
-    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
-
-    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
-    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
-    def forward(signum, frame):
-        for p in ranks.processes:
-            os.kill(p.pid, signum)
-
+        run_rank(0, main, args)
+    # a signal sent to this process alone (Kubernetes signals a container's first process)
+    # goes on to every rank, as torchrun forwards it
     for sig in STOP_SIGNALS[1:]:
         signal.signal(sig, forward)
     try:
-        while not ranks.join():  # True once all have ended; raises when one has failed
-            pass
-    except mp.ProcessExitedException as e:  # that rank has printed its own reason
+        mp.spawn(run_rank, (main, args), n)  # waits for all; raises if one failed
+    except mp.ProcessExitedException as e:  # that rank has said why
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-    except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
+    except KeyboardInterrupt:  # each rank has said so too
         sys.exit(130)  # 128 + SIGINT
 
 
-# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
-# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+def forward(signum, frame):
+    for rank in mp.active_children():
+        os.kill(rank.pid, signum)
+
+
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
+# SIGQUIT: each ends a rank with one line
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
-    then the program's exit hooks and os._exit."""
-    if index is not None:  # under --spawn: mp.spawn passes the index
+    """Run main(args), then end the process: exit 0, or one line naming the rank and a
+    non-zero exit."""
+    if index is not None:  # from mp.spawn
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
     for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(sig, stop)
-    code = 1  # unless main returns
+    code = 1
     why = ""
     try:
         try:
@@ -456,104 +402,49 @@ def run_rank(index, main, args):
             code = 0
         except CheckFailed as e:
             why = f"CHECK FAILED: {e}"
-        except (SetupError, dist.DistError) as e:  # expected: one line says why
-            # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
+        except (SetupError, dist.DistError) as e:
+            # (a DataLoader worker's SetupError ends torch's text)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
             # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
-            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
-            # DistErrors.) Anything else is a bug: keep its traceback.
+            # collective failed (a peer is gone, or it timed out), and the text says so.
+            # Anything else is a bug: keep its traceback.
             if "gloo/" not in why:
                 traceback.print_exc()
-            else:
-                # A failed collective: where each rank was at its last beat (Dist.beat), if
-                # every rank has beaten, from the job's store: "; rank by rank: ['step 2,
-                # compute', 'step 2, data']". After a timeout (Gloo's words), every rank;
-                # after a lost peer, rank 0 alone: the store's host is rank 0 or torchrun's
-                # agent (one node), and a peer's read would fail if rank 0 is the peer that
-                # was lost (with a C++ warning, breaking the one line).
-                try:
-                    store = dist.distributed_c10d._get_default_store()
-                    keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                    read = "Timed out" in why or dist.get_rank() == 0
-                    if read and store.check(keys):  # get() will not wait
-                        beats = [store.get(key).decode() for key in keys]
-                        why += f"; rank by rank: {beats}"
-                except Exception:  # the store unreachable: nothing to add
-                    pass
         finally:
-            # Ending already: a signal from now on could only garble the line. One that
-            # arrives before this loop is done is caught below, like one arriving in the
-            # handlers above; after it, none can escape (an unhandled KeyboardInterrupt ends
-            # Python by SIGINT, with no line: torchrun's SIGTERM did so to a rank ending on
-            # its own error, about one run in six here).
+            # ending already: a signal now would garble the line
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-    # from stop() (the signal's number, and where it found this rank): unwound, now one line.
-    # A rank already ending on an error of its own when the signal came (torchrun's SIGTERM
-    # to the others, say) keeps that error's line and exit code.
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]
-            why = f"stopped by {signal.Signals(e.args[0]).name}{e.args[1]}"
-    # The end, out of the except blocks: their exception held the frames it passed through,
-    # and what those held is released now (DataLoader workers end), before the exit hooks.
+            why = f"stopped by {signal.Signals(e.args[0]).name}"
+    # out of the except blocks, the exception's frames are freed (DataLoader workers end)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
-    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    try:
-        sys.stdout.flush()
-    except Exception:  # stdout closed or broken: nothing more to say
-        pass
-    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+    atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
+    os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly.
-    # Its line says where the signal found it: the innermost frame of this file (run_rank's
-    # at least), so a rank stuck in torch's code or a library's names the line here that
-    # called it.
-    while frame.f_code.co_filename != __file__:
-        frame = frame.f_back
-    raise KeyboardInterrupt(signum, f" in {frame.f_code.co_name} (line {frame.f_lineno})")
-
-
-class Dist(NamedTuple):
-    """Who this process is in the job: setup() returns it."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    timeout: float
-
-    def beat(self, where):
-        """Where this rank is, in the job's store, read without a collective: a rank whose
-        collective fails names where every rank was (run_rank). A rank that
-        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
-        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
-        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
+    # the rank unwinds as on Ctrl-C; run_rank names the signal
+    raise KeyboardInterrupt(signum)
 
 
 def setup(timeout, store=None, gloo=False):
-    """Check the launcher's variables, bind this process to its device, join the group."""
-    # set by the launcher
-    env = {
-        name: os.environ.get(name, "")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    # missing or not a number: -1
+    """Check the launcher's variables, bind this process to its device, join the group;
+    returns who this process is in the job (d: rank, world_size, device)."""
+    names = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"  # set by the launcher
+    env = {name: os.environ.get(name, "") for name in names}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
-    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
-    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
-    # by another program never answers); this wait ends at either. device_id: NCCL connects
-    # now, on this process's GPU.
-    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # A thread joins while this one waits, until the timeout or a signal: torch's store
+    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
+    # device_id: NCCL connects now, on this GPU.
     try:
         concurrent.futures.ThreadPoolExecutor(1).submit(
             dist.init_process_group,
@@ -564,29 +455,26 @@ def setup(timeout, store=None, gloo=False):
             timeout=datetime.timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
-    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(
-            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        ) from None
-    except Exception as e:
-        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
-        raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device, timeout)
+    except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
+        why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SetupError(f"cannot join the process group at env:// at {where}: {why}") from None
+    return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 
-def bind_device(local_rank, local_world, gloo):
+def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     # the cores this process may run on (Linux), shared by the node's ranks
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
+    if gloo or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
-    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a
+    # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
-    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 
 

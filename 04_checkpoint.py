@@ -1,4 +1,4 @@
-r"""04_checkpoint.py: 03_ddp_train.py's job plus checkpoints: exact resume, restarts, preemption.
+r"""04_checkpoint.py: 03_ddp_train.py's job plus what a long job on a cluster needs.
 
 Run
   # one command shows failure, restart and resume: rank 1 dies at step 30
@@ -9,34 +9,27 @@ Run
   torchrun --nnodes 2 --nproc_per_node 4 --max-restarts 3 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
-The same job as 03_ddp_train.py, plus what a long job on a cluster needs: read it as
-`diff 03_ddp_train.py 04_checkpoint.py`, and copy this file for a job that must survive.
-- The training state (model, optimizer, schedule, fp16 scaler, epoch, global step and the
-  position in the epoch's order) is one object with state_dict() and load_state_dict().
-- Every --save-every steps and at each epoch's end, rank 0 copies it and a background thread
-  writes it (atomically, its sha256 beside it) while training goes on; --keep are kept.
-- At start rank 0 picks the newest checkpoint that verifies, and every rank carries on from
-  it at the same step, with the same data order and augmentations; each step's random numbers
-  come from the rank and the step. So the weights end bit for bit those of an
-  uninterrupted run with the same processes (GPUs too: cuDNN and cuBLAS are set to be
-  deterministic). A resume may change --epochs, and the world size, --batch-size and
-  --accum-steps: the data position is exact, the schedule is rebuilt for the steps left,
-  and the same global batch trains the same (but for BatchNorm's per-rank statistics and
-  dropout). --data counts by what it holds, not where.
-- SIGTERM (what SLURM and Kubernetes send before a kill, and torchrun forwards) or SIGUSR1
-  (sbatch --signal), to the ranks or their whole process group: every rank finishes its
-  step (or cuts validation short), all agree where to stop, rank 0 saves and then marks
-  DIR/preempted, and each rank ends with exit code 128 + the signal. torchrun itself exits
-  1: README.md's batch script turns a marked exit into 143 and requeues. If torchrun is
-  killed, its workers stop the same way.
-- A second job in the same folder is refused (rank 0 holds a lock), and so are a folder it
-  cannot write and a checkpoint that does not fit the model or the settings.
-Under torchrun --max-restarts the ranks restart and resume on their own; a run resumes
-whenever --checkpoint-dir holds checkpoints (start over in a new one). --metrics appends:
-after a resume the steps since the checkpoint are logged again, as the uninterrupted run
-logged them (plot_metrics.py keeps the last line for a step); a validation a stop cut short
-is printed, not logged. Torch >= 2.4.
+Read it as `diff 03_ddp_train.py 04_checkpoint.py`: the same job plus four parts, each
+marked where its code is.
+- Checkpoints: the training state is one object with state_dict() and load_state_dict();
+  every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
+  (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
+  every rank carries on from it, with the same data order, augmentations and random numbers:
+  the weights end bit for bit those of an uninterrupted run (GPUs too: cuDNN and cuBLAS are
+  made deterministic). A resume may change --epochs, the world size, --batch-size and
+  --accum-steps: the data position stays exact, the schedule is rebuilt.
+- Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
+  --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
+  DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
+  Under torchrun --max-restarts the ranks restart and resume on their own.
+- Forensics: a failed collective's line says where every rank was; a rank stuck for
+  --timeout + 5 s dumps its stack and exits; a progress line names the rank the others
+  waited for.
+- Metrics: --metrics PATH, a JSON line per progress line and per epoch; after a resume the
+  steps since the checkpoint come again (plot_metrics.py keeps the last line for a step).
 """
+
+from __future__ import annotations  # (an old torch reaches launch()'s version check)
 
 import argparse
 import atexit
@@ -60,7 +53,6 @@ import time
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
-from typing import NamedTuple
 
 import PIL.Image
 import torch
@@ -73,11 +65,9 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
 from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 
-# The shared plumbing is at the bottom of this file, the same in all six scripts (01 explains
-# it): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this process's
-# device, joins the process group and returns d (rank, world_size, device); launch() starts
-# the ranks, and run_rank() ends each with one line (so no destroy_process_group: NOTES.md
-# says why); check() and SetupError fail loudly. Read it last, or not at all.
+# The shared plumbing is at the bottom of this file, the same in all six scripts: setup()
+# joins the process group and returns d (rank, world_size, device). Read it last, or not
+# at all.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 # the options a resume must share with the run it resumes (settings() adds what --data holds;
 # --epochs, --batch-size and --accum-steps may change: resume() rebuilds the schedule)
@@ -90,8 +80,8 @@ def main(args):
     torch.backends.cudnn.deterministic = True
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
-    cuda = d.device.type == "cuda"
     preemption = Preemption(args.timeout)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
+    phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
     shape = settings(args, train_set) if d.rank == 0 else None
@@ -103,30 +93,23 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    # the same initial weights on every rank, and in a one-process run (DDP would copy
-    # rank 0's to the others anyway)
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the same initial weights on every rank
     model = build_model(args, num_classes).to(d.device, args.dtype)
-    # torch.compile: model.compile() here, before DDP (the docstring says why)
+    # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
         model,
-        device_ids=[d.device] if cuda else None,  # CPU: None
-        # DDP's knobs, not passed here (so at their defaults); to change one, pass it as
-        # shown (the tests train with every two of them set together):
+        # DDP's knobs, at their defaults here; to change one, pass it:
         # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
-        #   as soon as backward has filled it (overlapping communication with computation);
-        # find_unused_parameters=True: some parameters may get no gradient in a step (DDP
-        #   would wait for them: an error at the next step, which names this argument);
+        #   once backward has filled it (communication overlaps computation);
+        # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
+        #   error at the next step names this argument);
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # By default DDP overwrites every rank's buffers (BatchNorm's running statistics) with
-    # rank 0's at each forward: a collective per step. Off here; the epoch loop copies
-    # rank 0's once an epoch, before validation. (An attribute: torch 2.15 deprecates
-    # DDP(..., broadcast_buffers=False) for forward_sync_buffers=, which torch 2.4 lacks.)
+    # DDP would copy rank 0's buffers (BatchNorm's running statistics) to every rank at each
+    # forward, a collective per step; the epoch loop does it once an epoch instead
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
-    # SGD with momentum; OneCycleLR (below) cycles the momentum between 0.85 and 0.95
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
@@ -157,50 +140,53 @@ def main(args):
             return
         stop = preemption.agreed() if state.epoch < args.epochs else 0  # a CPU all-reduce
         if stop or due or state.step % args.save_every == 0:
+            phases.enter(state.step, "save")
             save(state, writer, args, d, shape)
         if stop:
             writer.finish()  # the save is on disk before this rank ends
             if d.rank == 0:
                 (args.checkpoint_dir / "preempted").touch()  # after the save: it is on disk
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
-            raise KeyboardInterrupt(stop, "")  # run_rank: one line, exit 128 + the signal
+            raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
+    # what train_one_epoch adds to each step: the forensics, and the saves and stops
+    hooks = argparse.Namespace(phases=phases, after_step=after_step)
     losses = []
-    while state.epoch < args.epochs:
-        train_loader.sampler.set_position(state.epoch, state.position)  # its order, from there
-        # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
-        train_loader.dataset.epoch = state.epoch
-        loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, after_step)
-        losses.append(loss)
-        # Each rank's BatchNorm statistics followed its own shard (broadcast_buffers off,
-        # above): rank 0's are copied to every rank now, so that all evaluate the model
-        # rank 0 saves.
-        for buffer in model.buffers():
-            dist.broadcast(buffer, src=0)
-        # cut short once this rank is asked to stop: a scheduler's grace is often 30 s
-        val_batches = itertools.takewhile(lambda batch: not preemption.asked, val_loader)
-        val_loss, val_acc, val_count = evaluate(
-            model, val_batches, args, d, f"step {state.step}, evaluation"
-        )
-        if d.rank == 0:
-            say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
-            say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
-            if val_count == len(val_set):  # not one a stop cut short: a resume will not redo it
-                log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
-        state.epoch += 1
-        state.position = 0
-        after_step(last=False, due=True)  # every rank: a save (and a stop, if asked)
-    writer.finish()  # every rank: the last write is on disk (or all stop on its error)
+    with phases:  # a collective that fails in here: its line says where every rank was
+        while state.epoch < args.epochs:
+            train_loader.sampler.set_position(state.epoch, state.position)  # from there on
+            # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
+            train_loader.dataset.epoch = state.epoch
+            loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, hooks)
+            losses.append(loss)
+            # each rank's BatchNorm statistics followed its own shard: all take rank 0's
+            for buffer in model.buffers():
+                dist.broadcast(buffer, src=0)
+            # cut short once this rank is asked to stop: a scheduler's grace is often 30 s
+            val_batches = itertools.takewhile(lambda batch: not preemption.asked, val_loader)
+            val_batches = phases.each(val_batches, state.step, "evaluation")
+            val_loss, val_acc, val_count = evaluate(model, val_batches, args, d)
+            if d.rank == 0:
+                say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
+                say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
+                if val_count == len(val_set):  # not cut short by a stop: a resume will not redo it
+                    log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
+            state.epoch += 1
+            state.position = 0
+            after_step(last=False, due=True)  # every rank: a save (and a stop, if asked)
+        writer.finish()  # every rank: the last write is on disk (or all stop on its error)
+        phases.enter(state.step, "verification")
+        verified = verify_replicas_identical(model, d)
 
-    # ---- after training: the replica check, the saved model, the summary ----------------
-    verified = verify_replicas_identical(model, d)
-    # rank 0 saves the plain model (keys without "module."); every rank hears if that failed
-    if args.save_model:
-        rank0_writes(args.save_model, lambda f: torch.save(model.state_dict(), f), d)
+    # ---- after training: the saved model, the summary -------------------------------------
+    if args.save_model and d.rank == 0:  # the plain model: its keys have no "module."
+        buffer = io.BytesIO()
+        torch.save(model.state_dict(), buffer)
+        write_atomic(args.save_model, buffer.getvalue())
     if d.rank == 0:
         if not losses:  # its checkpoint was the run's last
             say(f"the run had finished at step {state.step}: nothing to train")
-        else:  # the last epoch's speed: the first pays one-off costs (compiling, cuDNN's timing)
+        else:  # (the first epoch pays one-off costs: compiling, cuDNN's timing)
             say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
@@ -215,16 +201,13 @@ def build_datasets(args):
         return train_set, val_set, 10
     T = torchvision.transforms
     size = args.image_size
-    # torchvision's ImageNet recipe: random crops and flips to train (each image's drawn from
-    # its own seed: SeededAugmentation, below), a centre crop to validate
-    # (pretrained weights would also want ImageNet's mean and std: T.Normalize(...))
-    # Small images (digits, 32 px icons): crops down to 8% of the image lose what it shows,
-    # and flips change a digit; use RandomResizedCrop(size, scale=(0.6, 1)), no flip (NOTES.md)
+    # torchvision's ImageNet recipe. Small images (digits, icons): RandomResizedCrop(size,
+    # scale=(0.6, 1)), no flip.
     augment = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor()])
     centre = T.Compose([T.Resize(size * 8 // 7), T.CenterCrop(size), T.ToTensor()])  # 224 of 256
     train_set = image_folder(args.data / "train", augment)
     val_set = image_folder(args.data / "val", centre)
-    # each split numbers its own folders' classes: a class missing from one shifts the labels
+    # each split numbers its own class folders: a class missing from one shifts the labels
     if train_set.classes != val_set.classes:
         raise SetupError(f"--data {args.data}: train and val hold different class folders")
     return train_set, val_set, len(train_set.classes)
@@ -232,7 +215,7 @@ def build_datasets(args):
 
 def synthetic_images(count, size, split):
     """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
-    plus noise; split 0 (train) and 1 (val) draw different images of the same classes."""
+    plus noise; split 0 (train) and 1 (val) draw different images."""
     g = torch.Generator().manual_seed(0)
     patterns = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=size, mode="bilinear")
     g.manual_seed(1 + split)
@@ -242,9 +225,8 @@ def synthetic_images(count, size, split):
 
 
 def image_folder(root, transform):
-    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png
-    are not images) or hidden folders (file browsers' .thumbnails/ are not training data).
-    03, 04 and 05 read --data with it."""
+    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
+    or hidden folders (a file browser's .thumbnails/ would become a class)."""
 
     def is_image(path):
         inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
@@ -253,24 +235,21 @@ def image_folder(root, transform):
     try:
         return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
     except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
-        raise SetupError(f"--data {root}: {e}") from e  # names the split
+        raise SetupError(f"--data {root}: {e}") from e
 
 
 def load_image(path):
-    """The image at path in RGB, or a SetupError naming the file. (16-bit greyscale, common in
-    scientific and medical imaging, saturates in RGB: NOTES.md says how to scale it.)"""
+    """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
+    a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
     try:
         return PIL.Image.open(path).convert("RGB")
-    # truncated, not an image at all, or a decompression bomb: a header claiming more than
-    # twice PIL.Image.MAX_IMAGE_PIXELS (about 179 megapixels), refused before decoding
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # --workers left out: on CPU none (the cores train), on GPUs this process's share of the
-    # cores (setup() gave torch's threads that share), up to 8
+    # --workers left out: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -278,16 +257,15 @@ def make_loaders(args, d, train_set, val_set):
     train_loader = DataLoader(
         SeededAugmentation(train_set),
         args.batch_size,
-        # this rank's shard (world size and rank from the process group); shuffled: each
-        # epoch a new order, the same on every rank (seed + epoch)
+        # this rank's shard of a shuffled order
         sampler=ResumableSampler(train_set),
         num_workers=workers,
         worker_init_fn=quiet_worker,  # a stop is the rank's to make
         pin_memory=cuda,  # page-locked: copies to the GPU run async
         drop_last=True,  # full batches only: one image fails BatchNorm where a layer sees 1x1
     )
-    # Validation: rank r takes samples r, r+W, r+2W, ... with no padding, so each counts once
-    # (DistributedSampler would pad with repeats; 05_eval_gather.py shows what that costs).
+    # Validation: rank r takes samples r, r+W, r+2W, ...: each counts once (DistributedSampler
+    # would repeat some; 05_eval_gather.py shows the cost)
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
     val_loader = DataLoader(
         val_shard,
@@ -300,31 +278,26 @@ def make_loaders(args, d, train_set, val_set):
 
 
 def quiet_worker(worker_id):
-    """A DataLoader worker's first act (worker_init_fn): ignore the signals that stop a job.
-    SLURM, `timeout` and `kill -- -PGID` signal the whole process group: torch's workers died
-    at once, and their rank ended on "DataLoader worker ... killed" before it could save.
-    They end with their rank (each watches its parent)."""
+    """A DataLoader worker ignores the signals that stop a job: SLURM and `timeout` signal the
+    whole process group, and a dead worker would end its rank before it saved. Workers end
+    with their rank."""
     for sig in STOP_SIGNALS:  # (the shared plumbing's, at the bottom)
         signal.signal(sig, signal.SIG_IGN)
 
 
 @dataclass
 class SeededAugmentation(Dataset):
-    """The training set, each sample's random augmentation drawn from a seed of its own (from
-    the epoch and the sample's index) instead of the random stream of whichever process loads
-    it (a DataLoader worker's differs by rank and by worker). So N processes train on exactly
-    what one would, and a resumed run (04_checkpoint.py) on what the interrupted one would
-    have. Transforms that draw from torch's global RNG (torchvision's do) are covered."""
+    """The training set, each sample's random augmentation drawn from a seed of its own (the
+    epoch and its index), not from the stream of whichever worker or rank loads it: a resumed
+    run, on any number of ranks, draws what the interrupted one would have."""
 
     dataset: Dataset
-    # set before each iter(loader), which starts the workers with a copy of this object
-    # (persistent_workers would keep epoch 0's)
+    # set before each iter(loader), which gives the workers a copy (not persistent_workers)
     epoch: int = 0
 
     def __getitem__(self, index):
         with torch.random.fork_rng(devices=[]):  # this process's own stream is left as it was
-            # one seed per (epoch, image), for the CPU's generator alone: torch.manual_seed
-            # would reseed the GPU's too (dropout's), at every image the main process loads
+            # the CPU's generator alone: torch.manual_seed would reseed the GPU's (dropout's)
             torch.default_generator.manual_seed(self.epoch * len(self.dataset) + index)
             return self.dataset[index]
 
@@ -360,8 +333,7 @@ def build_model(args, num_classes):
     if args.norm == "group":  # no batch statistics: the same model however the batch is split
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    # GPUs: BatchNorm statistics over the global batch, not each rank's shard (synced at every
-    # forward; DDP refuses it on the CPU):
+    # GPUs: BatchNorm statistics over the global batch (DDP refuses it on the CPU):
     # model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -400,48 +372,35 @@ class TrainState:
         self.position = saved["position"]
 
 
-def train_one_epoch(model, loader, state, args, d, hook):
-    """One pass over this rank's shard. Returns the epoch's loss and accuracy over all ranks,
-    and its speed in images per second. model is the DDP wrapper (main's ddp_model);
-    state.model, the plain model it wraps."""
+def train_one_epoch(model, loader, state, args, d, hooks):
+    """One pass over this rank's shard (model: the DDP wrapper): the epoch's loss and accuracy
+    over all ranks, and its images per second. hooks: main's forensics, saves and stops."""
     model.train()
     amp = AMP_DTYPES.get(args.amp)
-    now = time.perf_counter  # seconds: for the speed, and each rank's time in data and forward
-    started = now()
+    started = time.perf_counter()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
-    # seconds since the last progress line, one row per rank: (data loading, forward), both
-    # before the gradient all-reduce. This rank fills its own row; slowest_rank sums the
-    # tables of all ranks (an all-reduce), which gathers every row.
-    times = torch.zeros(d.world_size, 2)
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
+        step_sums = sums.new_zeros(3)  # the same, for this step alone
         # this step's random numbers (dropout) from the rank and the step: a resumed run
         # draws what the interrupted one would have, with no random state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
-        step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
-            # Diagnostics, not DDP: d.beat records where this rank is (its data, then its
-            # compute: forward, backward and the gradient all-reduce), for the error line
-            # that names who is elsewhere if a collective times out, and re-arms a watchdog
-            # that ends a rank stuck for --timeout + 5 s with its stacks (Dist, the plumbing).
-            d.beat(f"step {state.step}, data")
-            loading = now()
+            hooks.phases.enter(state.step, "data")  # (memory only: no I/O per micro-batch)
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. With static_graph=True passed to DDP (not by default),
-            # the first backward must sync (inside no_sync it fails an assertion,
-            # pytorch#143580); the extra sync is exact: every rank then holds the same average.
+            # all-reduces their sum (with static_graph=True the first must too: pytorch#143580)
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
-                d.beat(f"step {state.step}, compute")
-                loaded = now()  # data: the loader, the copies and the beats; compute: forward
+                hooks.phases.enter(state.step, "forward")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
-                times[d.rank] += torch.tensor([loaded - loading, now() - loaded])
+                # backward, with the gradient all-reduce (it waits for the slowest rank)
+                hooks.phases.enter(state.step, "backward")
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
             step_sums[0] += loss.detach() * len(labels)
@@ -455,56 +414,26 @@ def train_one_epoch(model, loader, state, args, d, hook):
         state.step += 1
         state.position += args.batch_size * args.accum_steps * d.world_size  # over all ranks
 
-        # ---- the progress line, not part of the step ----------------------------------
-        # (this step's loss and accuracy, over every rank's images: a resumed run logs the same;
-        # logged before this step's save, so that a resume from it finds the line)
+        # the progress line: this step's loss and accuracy over every rank's images (logged
+        # before this step's save, so that a resume from it finds the line)
         if state.step % args.log_every == 0:
+            hooks.phases.enter(state.step, "progress line")
             step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
-            # every rank: each rank's [data, forward] seconds since the last line, and "" or
-            # "  slowest: rank 2 (data +0.27s)"
-            seconds, slowest = slowest_rank(times, d)
+            seconds, slowest = hooks.phases.slowest()  # every rank
             if d.rank == 0:
                 say(
                     f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
                     f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
                 log_metrics(args, state, loss=step_loss, acc=step_acc, rank_seconds=seconds)
-        hook(last=i == steps - 1)  # every rank: main's after_step saves when due, stops if asked
+        hooks.after_step(last=i == steps - 1)  # every rank: a save when due, a stop if asked
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
-    # all ranks' images per second (the .tolist() above waited for the GPU)
-    return loss, acc, images / (now() - started)
-
-
-def slowest_rank(times, d):
-    """Which rank held up the others since the last progress line, and where.
-
-    The gradient all-reduce makes every rank's step as slow as the slowest's, so the rank
-    with the most seconds before it (data loading + forward) is the one the others waited
-    for. It is named when that is over twice the median rank's, with the phase where its
-    excess over the median is larger ("data", or "compute" for the forward) and its whole
-    excess in seconds: about what the others waited. Backward is not timed: on Gloo it holds
-    the all-reduce's wait. On GPUs only the data column tells much: the forward's host time
-    is the time to queue its kernels, so a slow GPU is not named (NOTES.md).
-
-    Returns every rank's [data, forward] seconds (for --metrics) and the text for the
-    progress line ("" or "  slowest: rank 2 (data +0.27s)"). Every rank calls it."""
-    table = times.to(d.device, copy=True)
-    dist.all_reduce(table)  # each rank's row (the others are zeros here)
-    times.zero_()
-    seconds = table.tolist()  # (waits for the GPU, as all_reduce_metrics' .tolist() did)
-    before = table.sum(1)
-    rank = int(before.argmax())
-    if before[rank] < 2 * before.median():
-        return seconds, ""
-    data, forward = table[rank] - table.median(0).values  # its excess in each
-    phase = "data" if data > forward else "compute"
-    return seconds, f"  slowest: rank {rank} ({phase} +{before[rank] - before.median():.2f}s)"
+    return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
 
 
 def all_reduce_metrics(sums):
-    """Every rank's running (loss sum, correct, images) summed over all ranks: the mean loss,
-    the accuracy and the number of images (sums becomes the total). Every rank calls it at the
-    same point, and all stop together if the loss is not finite."""
+    """Every rank calls it: (loss sum, correct, images) summed over all ranks, as the mean loss,
+    the accuracy and the count; all stop together if the loss is not finite."""
     dist.all_reduce(sums)
     loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
@@ -512,14 +441,12 @@ def all_reduce_metrics(sums):
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, d, where):
-    """The loss and accuracy over every rank's validation shard, and the number of images.
-    where: this rank's beat (Dist.beat) at each batch, the phase an error line names."""
-    # The raw module, not DDP: no gradient sync is wanted, and ranks' batch counts may differ.
+def evaluate(model, loader, args, d):
+    """The loss and accuracy over every rank's validation shard, and the number of images."""
+    # the plain model, not DDP: no gradient sync is wanted, and ranks' batch counts may differ
     model.eval()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
-        d.beat(where)
         logits = model(images.to(d.device, args.dtype))
         labels = labels.to(d.device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
@@ -530,8 +457,7 @@ def evaluate(model, loader, args, d, where):
 
 def log_metrics(args, state, **fields):
     """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
-    next step's) and the fields (rank_seconds: slowest_rank's). plot_metrics.py draws the
-    learning curve from it."""
+    next step's) and the fields. plot_metrics.py draws the learning curve from it."""
     if args.metrics:
         lr = state.scheduler.get_last_lr()[0]
         with open(args.metrics, "a") as f:
@@ -539,9 +465,7 @@ def log_metrics(args, state, **fields):
 
 
 def verify_replicas_identical(model, d):
-    """Every rank holds the same parameters and buffers: their sha256, compared across ranks.
-    (The buffers are rank 0's since the broadcast before validation; the parameters are what
-    DDP keeps equal.)"""
+    """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
     tensors = model.state_dict().values()
     sha = hashlib.sha256()
     for t in tensors:
@@ -558,16 +482,14 @@ def verify_replicas_identical(model, d):
 
 # ---- preemption: a signal asks to stop, the ranks agree at a step boundary ---------------
 class Preemption:
-    """A stop asked for by SIGTERM (what SLURM and Kubernetes send before a kill; torchrun
-    forwards it), SIGUSR1 (sbatch --signal) or the launcher's death. A handler only sets a
-    flag (no collective may run inside one); the ranks agree on it after every step and at
-    each epoch's end, over a Gloo side group: a CPU tensor, so no wait for the GPU."""
+    """A stop asked for by SIGTERM, SIGUSR1 or the launcher's death. The handler only sets a
+    flag (no collective may run inside one); the ranks agree on it after every step, over a
+    Gloo side group (a CPU tensor: no wait for the GPU)."""
 
     def __init__(self, timeout):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
-        # these two replace run_rank's handler (which ends the rank at once): a stop must wait
-        # for the end of a step, and save
+        # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
         if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (mp.spawn: see watch)
@@ -578,9 +500,8 @@ class Preemption:
 
     def watch(self, parent):
         """A torchrun killed outright (SIGKILL) cannot stop its workers: they stop themselves,
-        as on SIGHUP (the hang-up of the process they depend on), within a second of its
-        death. Only under torchrun: a job started from a shell (nohup) outlives the shell,
-        and mp.spawn's ranks get SIGINT when their parent dies (and stop at once)."""
+        as on SIGHUP, within a second. (A nohup job outlives its shell; mp.spawn's ranks get
+        SIGINT when their parent dies.)"""
         while os.getppid() == parent:
             time.sleep(1)
         if os.environ["RANK"] == "0":  # say why, once: no signal came
@@ -592,6 +513,96 @@ class Preemption:
         flag = torch.tensor([self.asked])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return signal.Signals(int(flag)) if flag else 0
+
+
+# ---- forensics: where each rank is, and which rank the others waited for ---------------
+class Phases:
+    """This rank's phase ("step 5, forward"), and its seconds in data loading and in forward
+    since the last progress line: noted in memory, no I/O per micro-batch. A thread puts the
+    phase in the job's store once a second when it changed, and re-arms a watchdog while the
+    rank moves on: a rank stuck in one phase for --timeout + 5 s dumps its stacks and exits.
+    Within `with phases:`, a failed collective's line ends with where every rank was."""
+
+    def __init__(self, d, timeout):
+        self.d = d
+        self.timeout = timeout
+        self.where = "start"
+        self.phase = None
+        self.moves = 0  # phases entered: the watchdog's sign of progress
+        self.done = False  # out of `with phases:`: no watchdog
+        self.since = time.perf_counter()
+        self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
+        self.store = dist.distributed_c10d._get_default_store()
+        threading.Thread(target=self.publish, daemon=True).start()
+
+    def enter(self, step, phase):
+        now = time.perf_counter()
+        if self.phase in self.seconds:
+            self.seconds[self.phase] += now - self.since
+        self.since = now
+        self.phase = phase
+        self.where = f"step {step}, {phase}"
+        self.moves += 1
+
+    def each(self, batches, step, phase):
+        """The batches, each entering the phase: a long evaluation is progress too."""
+        for batch in batches:
+            self.enter(step, phase)
+            yield batch
+
+    def publish(self):
+        """The thread: the phase into the store, and the watchdog re-armed from the first
+        phase on (start-up and the final save are not watched)."""
+        published = None
+        moves = 0
+        while not self.done:
+            if self.moves != moves:
+                moves = self.moves
+                faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
+            if self.where != published:
+                published = self.where
+                self.store.set(f"phase {self.d.rank}", published)
+            time.sleep(1)
+
+    def slowest(self):
+        """Every rank, at a progress line: every rank's [data, forward] seconds since the last
+        one, and "" or "  slowest: rank 2 (data +0.27s)". All ranks wait for the slowest in
+        the gradient all-reduce: the rank with the most seconds before it is named when they
+        are over twice the median rank's and 0.1 s more, with the phase of its larger excess.
+        (On GPUs the forward's host time is the time to queue its kernels.)"""
+        table = torch.zeros(self.d.world_size, 2, device=self.d.device)
+        table[self.d.rank] = torch.tensor([self.seconds["data"], self.seconds["forward"]])
+        self.seconds = {"data": 0.0, "forward": 0.0}
+        dist.all_reduce(table)  # each rank's row (the others are zeros here): all rows
+        before = table.sum(1)
+        rank = int(before.argmax())
+        excess = before[rank] - before.median()
+        if before[rank] < 2 * before.median() or excess < 0.1:
+            return table.tolist(), ""
+        data, forward = table[rank] - table.median(0).values
+        phase = "data" if data > forward else "forward"
+        return table.tolist(), f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, kind, error, trace):
+        """A failed collective (Gloo's text names its source files): its line ends with each
+        phase's ranks, from the store. Read by every rank after a timeout, and by rank 0 alone
+        after a lost peer (a peer's read would fail if rank 0 is the one lost)."""
+        self.done = True
+        faulthandler.cancel_dump_traceback_later()
+        text = f"{kind.__name__}: {str(error).strip()}" if error else ""
+        if "gloo/" not in text or not ("Timed out" in text or self.d.rank == 0):
+            return
+        keys = [f"phase {rank}" for rank in range(self.d.world_size)]
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
+            phases = [self.store.get(key).decode() for key in keys if self.store.check([key])]
+        except Exception:  # the store unreachable: nothing to add
+            return
+        where = {p: [r for r, q in enumerate(phases) if q == p] for p in dict.fromkeys(phases)}
+        raise SetupError(f"{text}; where: {where}") from error
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
@@ -691,10 +702,9 @@ def marker(path):
 
 
 def resume(state, path, args, d, sampler, steps_per_epoch):
-    """Every rank: the checkpoint rank 0 chose, loaded into the training state. With the same
-    processes, batch and --epochs the run goes on bit for bit; with others, from the same
-    place in the data, on a one-cycle schedule rebuilt for the new number of steps (the
-    learning rate moves to where that schedule is at the step reached)."""
+    """Every rank: the checkpoint rank 0 chose, loaded into the training state; with other
+    processes, batch or --epochs, from the same place in the data, on a one-cycle schedule
+    rebuilt for the new number of steps."""
     saved = read_checkpoint(path)  # every rank reads it: the folder is on shared storage
     try:
         state.load_state_dict(saved)
@@ -712,9 +722,8 @@ def resume(state, path, args, d, sampler, steps_per_epoch):
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
-    # The global batch (all ranks' images in a step) is what training sees: a new world size
-    # that keeps it (with --batch-size or --accum-steps changed to match) keeps the training,
-    # but for what depends on the rank's own batch (BatchNorm's statistics, dropout's masks).
+    # a new world size that keeps the global batch (--batch-size or --accum-steps changed to
+    # match) keeps the training
     was = (saved["world_size"], saved["global_batch"], planned)
     now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:
@@ -752,9 +761,8 @@ def save(state, writer, args, d, shape):
     and a thread writes it while training goes on."""
     finite = all(p.isfinite().all() for p in state.model.parameters())  # (on every rank)
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
-    # rank 0 may still be writing the previous checkpoint: a collective that times out
-    # meanwhile names this phase (a slow disk wants a --timeout longer than a write)
-    d.beat(f"step {state.step}, save")
+    # rank 0 may still be writing the previous checkpoint (a slow disk wants a --timeout
+    # longer than a write)
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict()
@@ -821,11 +829,9 @@ def prune(folder, keep):
 
 def attempt_store(timeout):
     """Where torchrun shares its agent's store with the workers (torch 2.15), a TCPStore of
-    this attempt's own, hosted by rank 0 as elsewhere: the agent's outlives restarts with the
-    dead group's keys, restart counts differ by node, and an agent killed outright takes it
-    along, with every rank's beats, before the ranks can stop and save (NOTES.md). Rank 0
-    posts its port in the agent's store; the others use it once it answers. Otherwise None:
-    init's own store, in rank 0's process."""
+    this attempt's own, hosted by rank 0: the agent's outlives restarts with the dead group's
+    keys, and dies with the agent (NOTES.md). Rank 0 posts its port in the agent's store.
+    Otherwise None: init's own store, in rank 0's process."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -847,34 +853,20 @@ def attempt_store(timeout):
     raise SetupError(f"rank 0 posted no live store within {timeout:g}s")
 
 
-def rank0_writes(path, save, d):
-    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
-    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
-    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)  # into memory first: torch.save's own failed write names no cause
-        try:
-            write_atomic(path, buffer.getvalue())
-        except OSError as e:  # a full disk, say: name the file, not a traceback
-            error = [f"cannot write {path}: {e.strerror}"]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
 def write_atomic(path, data):
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    """The whole file or nothing: written beside it, synced, renamed over it; an error names
+    the file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+        os.replace(tmp, path)  # a reader sees the old file or the new one
+    except OSError as e:
+        raise SetupError(f"cannot write {path}: {e.strerror}") from None
     finally:
-        tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing is left
+        tmp.unlink(missing_ok=True)  # after a failure, nothing is left
 
 
 def build_parser():
@@ -1020,21 +1012,21 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
-    into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
+    `head` that has exited) is dropped."""
     try:
         print(text, flush=True)
     except OSError:
         pass
 
 
-def number(cast, low, high=2**32):
-    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+def number(cast, low):
+    """An argparse type: a number with low <= value < 2**32, which nan and inf never are."""
 
     def parse(text):
         value = cast(text)
-        if not low <= value < high:
-            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        if not low <= value < 2**32:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
     return parse
@@ -1043,12 +1035,12 @@ def number(cast, low, high=2**32):
 def add_launch_args(parser):
     parser.add_argument(
         "--spawn",
-        type=number(int, 0),
-        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
+        type=number(int, 1),
+        help="start SPAWN processes with mp.spawn (on GPUs: one per GPU)",
     )
     parser.add_argument(
         "--timeout",
-        type=number(float, 0.1, 1e6),
+        type=number(float, 0.1),
         default=300.0,
         help="seconds to wait for a peer or a collective (default: %(default)g)",
     )
@@ -1056,52 +1048,50 @@ def add_launch_args(parser):
 
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
-    # --spawn N (0: one per GPU, else 2); no launcher and no --spawn: a world of one, through
-    # the same code path
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
-    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
+    if torch.__version__ < (2, 4):  # a TorchVersion compares as numbers
+        sys.exit(f"error: needs torch >= 2.4; torch {torch.__version__} is installed")
+    if "RANK" in os.environ:  # a launcher (torchrun) started this process
+        run_rank(None, main, args)  # (never returns)
+    n = args.spawn or 1  # without --spawn: a world of one
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port
         port = s.getsockname()[1]
-    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    # as torchrun would set them; run_rank adds RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)  # (never returns)
-    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
-
-    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
-    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
-    def forward(signum, frame):
-        for p in ranks.processes:
-            os.kill(p.pid, signum)
-
+        run_rank(0, main, args)
+    # a signal sent to this process alone (Kubernetes signals a container's first process)
+    # goes on to every rank, as torchrun forwards it
     for sig in STOP_SIGNALS[1:]:
         signal.signal(sig, forward)
     try:
-        while not ranks.join():  # True once all have ended; raises when one has failed
-            pass
-    except mp.ProcessExitedException as e:  # that rank has printed its own reason
+        mp.spawn(run_rank, (main, args), n)  # waits for all; raises if one failed
+    except mp.ProcessExitedException as e:  # that rank has said why
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-    except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
+    except KeyboardInterrupt:  # each rank has said so too
         sys.exit(130)  # 128 + SIGINT
 
 
-# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
-# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+def forward(signum, frame):
+    for rank in mp.active_children():
+        os.kill(rank.pid, signum)
+
+
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
+# SIGQUIT: each ends a rank with one line
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
-    then the program's exit hooks and os._exit."""
-    if index is not None:  # under --spawn: mp.spawn passes the index
+    """Run main(args), then end the process: exit 0, or one line naming the rank and a
+    non-zero exit."""
+    if index is not None:  # from mp.spawn
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
     for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(sig, stop)
-    code = 1  # unless main returns
+    code = 1
     why = ""
     try:
         try:
@@ -1109,104 +1099,49 @@ def run_rank(index, main, args):
             code = 0
         except CheckFailed as e:
             why = f"CHECK FAILED: {e}"
-        except (SetupError, dist.DistError) as e:  # expected: one line says why
-            # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
+        except (SetupError, dist.DistError) as e:
+            # (a DataLoader worker's SetupError ends torch's text)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
             # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
-            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
-            # DistErrors.) Anything else is a bug: keep its traceback.
+            # collective failed (a peer is gone, or it timed out), and the text says so.
+            # Anything else is a bug: keep its traceback.
             if "gloo/" not in why:
                 traceback.print_exc()
-            else:
-                # A failed collective: where each rank was at its last beat (Dist.beat), if
-                # every rank has beaten, from the job's store: "; rank by rank: ['step 2,
-                # compute', 'step 2, data']". After a timeout (Gloo's words), every rank;
-                # after a lost peer, rank 0 alone: the store's host is rank 0 or torchrun's
-                # agent (one node), and a peer's read would fail if rank 0 is the peer that
-                # was lost (with a C++ warning, breaking the one line).
-                try:
-                    store = dist.distributed_c10d._get_default_store()
-                    keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                    read = "Timed out" in why or dist.get_rank() == 0
-                    if read and store.check(keys):  # get() will not wait
-                        beats = [store.get(key).decode() for key in keys]
-                        why += f"; rank by rank: {beats}"
-                except Exception:  # the store unreachable: nothing to add
-                    pass
         finally:
-            # Ending already: a signal from now on could only garble the line. One that
-            # arrives before this loop is done is caught below, like one arriving in the
-            # handlers above; after it, none can escape (an unhandled KeyboardInterrupt ends
-            # Python by SIGINT, with no line: torchrun's SIGTERM did so to a rank ending on
-            # its own error, about one run in six here).
+            # ending already: a signal now would garble the line
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-    # from stop() (the signal's number, and where it found this rank): unwound, now one line.
-    # A rank already ending on an error of its own when the signal came (torchrun's SIGTERM
-    # to the others, say) keeps that error's line and exit code.
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]
-            why = f"stopped by {signal.Signals(e.args[0]).name}{e.args[1]}"
-    # The end, out of the except blocks: their exception held the frames it passed through,
-    # and what those held is released now (DataLoader workers end), before the exit hooks.
+            why = f"stopped by {signal.Signals(e.args[0]).name}"
+    # out of the except blocks, the exception's frames are freed (DataLoader workers end)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
-    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    try:
-        sys.stdout.flush()
-    except Exception:  # stdout closed or broken: nothing more to say
-        pass
-    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+    atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
+    os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly.
-    # Its line says where the signal found it: the innermost frame of this file (run_rank's
-    # at least), so a rank stuck in torch's code or a library's names the line here that
-    # called it.
-    while frame.f_code.co_filename != __file__:
-        frame = frame.f_back
-    raise KeyboardInterrupt(signum, f" in {frame.f_code.co_name} (line {frame.f_lineno})")
-
-
-class Dist(NamedTuple):
-    """Who this process is in the job: setup() returns it."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    timeout: float
-
-    def beat(self, where):
-        """Where this rank is, in the job's store, read without a collective: a rank whose
-        collective fails names where every rank was (run_rank). A rank that
-        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
-        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
-        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
+    # the rank unwinds as on Ctrl-C; run_rank names the signal
+    raise KeyboardInterrupt(signum)
 
 
 def setup(timeout, store=None, gloo=False):
-    """Check the launcher's variables, bind this process to its device, join the group."""
-    # set by the launcher
-    env = {
-        name: os.environ.get(name, "")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    # missing or not a number: -1
+    """Check the launcher's variables, bind this process to its device, join the group;
+    returns who this process is in the job (d: rank, world_size, device)."""
+    names = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"  # set by the launcher
+    env = {name: os.environ.get(name, "") for name in names}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
-    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
-    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
-    # by another program never answers); this wait ends at either. device_id: NCCL connects
-    # now, on this process's GPU.
-    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # A thread joins while this one waits, until the timeout or a signal: torch's store
+    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
+    # device_id: NCCL connects now, on this GPU.
     try:
         concurrent.futures.ThreadPoolExecutor(1).submit(
             dist.init_process_group,
@@ -1217,29 +1152,26 @@ def setup(timeout, store=None, gloo=False):
             timeout=datetime.timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
-    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(
-            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        ) from None
-    except Exception as e:
-        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
-        raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device, timeout)
+    except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
+        why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SetupError(f"cannot join the process group at env:// at {where}: {why}") from None
+    return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 
-def bind_device(local_rank, local_world, gloo):
+def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     # the cores this process may run on (Linux), shared by the node's ranks
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
+    if gloo or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
-    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a
+    # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
-    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 
 

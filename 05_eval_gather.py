@@ -19,15 +19,13 @@ results, each used for what it fits:
 Every sample is evaluated exactly once: rank r takes samples r, r+W, r+2W, ... with no
 padding. DistributedSampler would pad the set so all ranks hold the same count, and count
 those repeats twice; the script prints that naive figure beside the exact one.
-Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
+Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 """
 
 import argparse
 import atexit
 import concurrent.futures
 import datetime
-import faulthandler
-import io
 import json
 import math
 import os
@@ -37,7 +35,6 @@ import sys
 import time
 import traceback
 from pathlib import Path
-from typing import NamedTuple
 
 import PIL.Image
 import torch
@@ -69,13 +66,10 @@ def main(args):
     model = build_model(args, num_classes, d.device)
 
     n = len(dataset)
-    started = clock(d.device)
+    started = clock()
     mine = torch.arange(d.rank, n, d.world_size)  # each sample exactly once, no padding
-    sums, rows = evaluate(model, dataset, mine, args, d, "evaluation")
-    seconds = clock(d.device) - started
-    # Where this rank is, for the line that names who is behind if a collective times out
-    # (Dist.beat, the shared plumbing: its evaluation's batch, then here).
-    d.beat("gather")
+    sums, rows = evaluate(model, dataset, mine, args, d.device)
+    seconds = clock() - started
     # 1. all_reduce: sums of counts are all a scalar metric needs.
     dist.all_reduce(sums)  # op=SUM, the default
     metrics = metrics_from_sums(sums)
@@ -106,7 +100,7 @@ def main(args):
         accuracy = f"{metrics['correct']}/{n} = {100 * metrics['accuracy']:.2f}%"
         say(f"exact:  accuracy {accuracy}  loss {metrics['loss']:.6f}")
         padded = math.ceil(n / d.world_size) * d.world_size
-        if padded > n:  # DistributedSampler repeats the first indices: they count twice
+        if padded > n:  # DistributedSampler's padding: the first indices again
             naive = int(hits[torch.arange(padded) % n].sum())
             accuracy = f"{naive}/{padded} = {100 * naive / padded:.2f}%"
             say(f"naive:  accuracy {accuracy}  (DistributedSampler pads {padded - n} repeat(s))")
@@ -116,17 +110,12 @@ def main(args):
                 "verified: identical to a one-process evaluation "
                 "(counts exact, loss to 1e-6 relative)"
             )
-    if args.metrics_json:
-        data = (json.dumps(metrics, indent=1) + "\n").encode()
-        rank0_writes(args.metrics_json, lambda f: f.write(data), d)
-    if args.predictions:
-
-        def write_csv(f):  # called on rank 0 alone: the others do not format the table
-            f.write(b"index,label,prediction\n")
-            for i, p, y in table.tolist():
-                f.write(f"{i},{y},{p}\n".encode())
-
-        rank0_writes(args.predictions, write_csv, d)
+        # rank 0 alone writes: a failed write ends it alone, its line naming the file
+        if args.metrics_json:
+            write_atomic(args.metrics_json, (json.dumps(metrics, indent=1) + "\n").encode())
+        if args.predictions:
+            lines = ["index,label,prediction\n"] + [f"{i},{y},{p}\n" for i, p, y in table.tolist()]
+            write_atomic(args.predictions, "".join(lines).encode())
 
 
 def build_dataset(args):
@@ -142,9 +131,8 @@ def build_dataset(args):
 
 
 def image_folder(root, transform):
-    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png
-    are not images) or hidden folders (file browsers' .thumbnails/ are not training data).
-    03, 04 and 05 read --data with it."""
+    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
+    or hidden folders (a file browser's .thumbnails/ would become a class)."""
 
     def is_image(path):
         inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
@@ -157,19 +145,17 @@ def image_folder(root, transform):
 
 
 def load_image(path):
-    """The image at path in RGB, or a SetupError naming the file. (16-bit greyscale, common in
-    scientific and medical imaging, saturates in RGB: NOTES.md says how to scale it.)"""
+    """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
+    a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
     try:
         return PIL.Image.open(path).convert("RGB")
-    # truncated, not an image at all, or a decompression bomb: a header claiming more than
-    # twice PIL.Image.MAX_IMAGE_PIXELS (about 179 megapixels), refused before decoding
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
 def synthetic_images(count, size, split):
     """Learnable and deterministic: class c is a fixed random 8x8 colour pattern, upsampled,
-    plus noise; split 0 (train) and 1 (val) draw different images of the same classes."""
+    plus noise; split 0 (train) and 1 (val) draw different images."""
     g = torch.Generator().manual_seed(0)
     patterns = F.interpolate(torch.randn(10, 3, 8, 8, generator=g), size=size, mode="bilinear")
     g.manual_seed(1 + split)
@@ -181,7 +167,7 @@ def synthetic_images(count, size, split):
 def build_model(args, num_classes, device):
     kwargs = {}
     if args.norm == "group":  # as 03 --norm group builds it
-        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(math.gcd(32, channels), channels)
+        kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
     torch.manual_seed(0)  # without --checkpoint: a fixed, seeded model
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
     if args.checkpoint:
@@ -202,29 +188,27 @@ def read_weights(path, model, arch):
     if not isinstance(state, dict):
         raise SetupError(f"--checkpoint {path}: not a state_dict (03 --save-model) or 04's")
     state = state.get("model", state)  # 04's: the model in the training state
-    # A DDP wrapper's own state_dict has "module." before every key
-    state = {k.removeprefix("module."): v for k, v in state.items()}
     ours = {k: v.shape for k, v in model.state_dict().items()}
     theirs = {k: getattr(v, "shape", "not a tensor") for k, v in state.items()}
-    for k in ours | theirs:
+    # the file's keys first: a DDP wrapper's state_dict shows as "module.conv1.weight is ...
+    # in the file, None in the model" (save the plain module's, as 03 and 04 do)
+    for k in theirs | ours:
         if ours.get(k) != theirs.get(k):  # None: no such key
             why = f"{k} is {theirs.get(k)} in the file, {ours.get(k)} in the model"
             raise SetupError(f"--checkpoint {path} does not fit --arch {arch}: {why}")
     return state
 
 
-def clock(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)  # GPU work is queued: time what has finished
+def clock():
+    if torch.cuda.is_available():  # this rank's GPU (setup() made it the current one)
+        torch.cuda.synchronize()  # its work is queued: time what has finished
     return time.perf_counter()
 
 
 @torch.inference_mode()
-def evaluate(model, dataset, indices, args, d, where):
+def evaluate(model, dataset, indices, args, device):
     """Evaluate dataset[i] for i in indices (a tensor). Returns the sums (correct, count,
-    loss) and one row (index, prediction, label) per sample, in the order of indices.
-    where: the phase each batch beats (Dist.beat); None: no beats."""
-    device = d.device
+    loss) and one row (index, prediction, label) per sample, in the order of indices."""
     loader = DataLoader(
         Subset(dataset, indices.tolist()),
         batch_size=args.batch_size,
@@ -233,9 +217,7 @@ def evaluate(model, dataset, indices, args, d, where):
     )
     sums = torch.zeros(3, dtype=torch.float64, device=device)
     results = [torch.zeros(0, 2, dtype=torch.long, device=device)]  # a shard may be empty
-    for i, (images, labels) in enumerate(loader):
-        if where:  # (in the job's store: no collective)
-            d.beat(f"{where}, batch {i}")
+    for images, labels in loader:
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         logits = model(images)
@@ -280,43 +262,25 @@ def verify_against_one_process(model, dataset, args, d, metrics):
     # Every rank does it, each on its own device or share of the cores, in the time one
     # would take. Rank 0 alone would keep the others waiting in a collective: past
     # --timeout if its evaluation is long, and for --timeout again if it fails.
-    # No collective waits on it, so no beats (rank 0, the store's host, may have ended) and
-    # no watchdog (it would end a check that takes longer than --timeout + 5 s).
-    faulthandler.cancel_dump_traceback_later()
-    everything = torch.arange(len(dataset))
-    sums, _ = evaluate(model, dataset, everything, args, d, None)
+    sums, _ = evaluate(model, dataset, torch.arange(len(dataset)), args, d.device)
     alone = metrics_from_sums(sums)
     close = math.isclose(alone["loss"], metrics["loss"], rel_tol=1e-6, abs_tol=1e-9)
     same = alone["correct"] == metrics["correct"] and close
     check(same, "equal to one process", f"{metrics} on {d.world_size} ranks, {alone} alone")
 
 
-def rank0_writes(path, save, d):
-    """Rank 0 runs save(file) into memory and writes the result to path whole; then every
-    rank raises rank 0's error, if any. The others wait for that outcome, not in a barrier,
-    where a rank 0 that failed would leave them waiting (on NCCL, for --timeout)."""
-    error = [None]
-    if d.rank == 0:
-        buffer = io.BytesIO()
-        save(buffer)  # into memory first: torch.save's own failed write names no cause
-        try:
-            write_atomic(path, buffer.getvalue())
-        except OSError as e:  # a full disk, say: name the file, not a traceback
-            error = [f"cannot write {path}: {e.strerror}"]
-    dist.broadcast_object_list(error, src=0)  # every rank waits for it: none leaves early
-    if error[0]:
-        raise SetupError(error[0])
-
-
 def write_atomic(path, data):
-    """The whole file or nothing: written beside it, synced, then renamed over it."""
+    """The whole file or nothing: written beside it, synced, renamed over it; an error names
+    the file."""
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it visible
-        os.replace(tmp, path)  # a reader sees the old file or the new one, never half of one
+        os.replace(tmp, path)  # a reader sees the old file or the new one
+    except OSError as e:
+        raise SetupError(f"cannot write {path}: {e.strerror}") from None
     finally:
         tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing is left
 
@@ -325,59 +289,55 @@ def build_parser():
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument(
+    add = parser.add_argument
+    positive = number(int, 1)
+    add(
         "--checkpoint",
         type=Path,
         metavar="PATH",
         help="weights of --arch, as 03 --save-model writes them (default: a seeded model)",
     )
-    parser.add_argument(
+    add(
         "--arch",
         default="resnet18",
         choices=torchvision.models.list_models(module=torchvision.models),
         metavar="A",
         help="any torchvision classifier (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--norm",
         default="batch",
         choices=["batch", "group"],
         help="group: as 03 --norm group (default: %(default)s)",
     )
-    parser.add_argument(
-        "--data", type=Path, metavar="DIR", help="an ImageFolder tree; DIR/val is evaluated"
-    )
-    parser.add_argument(
+    add("--data", type=Path, metavar="DIR", help="an ImageFolder tree; DIR/val is evaluated")
+    add(
         "--val-size",
-        type=number(int, 1),
+        type=positive,
         default=1024,
         help="synthetic validation images (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--image-size",
-        type=number(int, 1),
+        type=positive,
         default=32,
         help="image side in pixels (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--batch-size",
-        type=number(int, 1),
+        type=positive,
         default=64,
         help="images per batch on each rank (default: %(default)s)",
     )
-    parser.add_argument(
+    add(
         "--workers",
         type=number(int, 0),
         default=0,
         help="DataLoader workers per rank (default: %(default)s)",
     )
-    parser.add_argument(
-        "--verify", action="store_true", help="every rank also evaluates the whole set alone"
-    )
-    parser.add_argument(
-        "--metrics-json", type=output_file, metavar="PATH", help="rank 0 writes the metrics there"
-    )
-    parser.add_argument(
+    add("--verify", action="store_true", help="every rank also evaluates the whole set alone")
+    add("--metrics-json", type=output_file, metavar="PATH", help="rank 0 writes the metrics there")
+    add(
         "--predictions",
         type=output_file,
         metavar="PATH",
@@ -390,8 +350,8 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    # An output that is the checkpoint would overwrite it (a 44.8 MB model became a 461-byte
-    # CSV, and the run said "verified"); resolve() sees through ./ and symbolic links.
+    # An output that is the checkpoint would overwrite it; resolve() sees through ./ and
+    # symbolic links (hard links: NOTES.md).
     named = [args.checkpoint, args.metrics_json, args.predictions]
     files = [path.resolve() for path in named if path]
     if len(set(files)) < len(files):
@@ -426,21 +386,21 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
-    into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
+    `head` that has exited) is dropped."""
     try:
         print(text, flush=True)
     except OSError:
         pass
 
 
-def number(cast, low, high=2**32):
-    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+def number(cast, low):
+    """An argparse type: a number with low <= value < 2**32, which nan and inf never are."""
 
     def parse(text):
         value = cast(text)
-        if not low <= value < high:
-            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        if not low <= value < 2**32:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
     return parse
@@ -449,12 +409,12 @@ def number(cast, low, high=2**32):
 def add_launch_args(parser):
     parser.add_argument(
         "--spawn",
-        type=number(int, 0),
-        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
+        type=number(int, 1),
+        help="start SPAWN processes with mp.spawn (on GPUs: one per GPU)",
     )
     parser.add_argument(
         "--timeout",
-        type=number(float, 0.1, 1e6),
+        type=number(float, 0.1),
         default=300.0,
         help="seconds to wait for a peer or a collective (default: %(default)g)",
     )
@@ -462,52 +422,50 @@ def add_launch_args(parser):
 
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
-    # --spawn N (0: one per GPU, else 2); no launcher and no --spawn: a world of one, through
-    # the same code path
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
-    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
+    if torch.__version__ < (2, 4):  # a TorchVersion compares as numbers
+        sys.exit(f"error: needs torch >= 2.4; torch {torch.__version__} is installed")
+    if "RANK" in os.environ:  # a launcher (torchrun) started this process
+        run_rank(None, main, args)  # (never returns)
+    n = args.spawn or 1  # without --spawn: a world of one
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port
         port = s.getsockname()[1]
-    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    # as torchrun would set them; run_rank adds RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)  # (never returns)
-    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
-
-    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
-    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
-    def forward(signum, frame):
-        for p in ranks.processes:
-            os.kill(p.pid, signum)
-
+        run_rank(0, main, args)
+    # a signal sent to this process alone (Kubernetes signals a container's first process)
+    # goes on to every rank, as torchrun forwards it
     for sig in STOP_SIGNALS[1:]:
         signal.signal(sig, forward)
     try:
-        while not ranks.join():  # True once all have ended; raises when one has failed
-            pass
-    except mp.ProcessExitedException as e:  # that rank has printed its own reason
+        mp.spawn(run_rank, (main, args), n)  # waits for all; raises if one failed
+    except mp.ProcessExitedException as e:  # that rank has said why
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-    except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
+    except KeyboardInterrupt:  # each rank has said so too
         sys.exit(130)  # 128 + SIGINT
 
 
-# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
-# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+def forward(signum, frame):
+    for rank in mp.active_children():
+        os.kill(rank.pid, signum)
+
+
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
+# SIGQUIT: each ends a rank with one line
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
-    then the program's exit hooks and os._exit."""
-    if index is not None:  # under --spawn: mp.spawn passes the index
+    """Run main(args), then end the process: exit 0, or one line naming the rank and a
+    non-zero exit."""
+    if index is not None:  # from mp.spawn
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
     for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(sig, stop)
-    code = 1  # unless main returns
+    code = 1
     why = ""
     try:
         try:
@@ -515,104 +473,49 @@ def run_rank(index, main, args):
             code = 0
         except CheckFailed as e:
             why = f"CHECK FAILED: {e}"
-        except (SetupError, dist.DistError) as e:  # expected: one line says why
-            # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
+        except (SetupError, dist.DistError) as e:
+            # (a DataLoader worker's SetupError ends torch's text)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
             # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
-            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
-            # DistErrors.) Anything else is a bug: keep its traceback.
+            # collective failed (a peer is gone, or it timed out), and the text says so.
+            # Anything else is a bug: keep its traceback.
             if "gloo/" not in why:
                 traceback.print_exc()
-            else:
-                # A failed collective: where each rank was at its last beat (Dist.beat), if
-                # every rank has beaten, from the job's store: "; rank by rank: ['step 2,
-                # compute', 'step 2, data']". After a timeout (Gloo's words), every rank;
-                # after a lost peer, rank 0 alone: the store's host is rank 0 or torchrun's
-                # agent (one node), and a peer's read would fail if rank 0 is the peer that
-                # was lost (with a C++ warning, breaking the one line).
-                try:
-                    store = dist.distributed_c10d._get_default_store()
-                    keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                    read = "Timed out" in why or dist.get_rank() == 0
-                    if read and store.check(keys):  # get() will not wait
-                        beats = [store.get(key).decode() for key in keys]
-                        why += f"; rank by rank: {beats}"
-                except Exception:  # the store unreachable: nothing to add
-                    pass
         finally:
-            # Ending already: a signal from now on could only garble the line. One that
-            # arrives before this loop is done is caught below, like one arriving in the
-            # handlers above; after it, none can escape (an unhandled KeyboardInterrupt ends
-            # Python by SIGINT, with no line: torchrun's SIGTERM did so to a rank ending on
-            # its own error, about one run in six here).
+            # ending already: a signal now would garble the line
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-    # from stop() (the signal's number, and where it found this rank): unwound, now one line.
-    # A rank already ending on an error of its own when the signal came (torchrun's SIGTERM
-    # to the others, say) keeps that error's line and exit code.
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]
-            why = f"stopped by {signal.Signals(e.args[0]).name}{e.args[1]}"
-    # The end, out of the except blocks: their exception held the frames it passed through,
-    # and what those held is released now (DataLoader workers end), before the exit hooks.
+            why = f"stopped by {signal.Signals(e.args[0]).name}"
+    # out of the except blocks, the exception's frames are freed (DataLoader workers end)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
-    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    try:
-        sys.stdout.flush()
-    except Exception:  # stdout closed or broken: nothing more to say
-        pass
-    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+    atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
+    os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly.
-    # Its line says where the signal found it: the innermost frame of this file (run_rank's
-    # at least), so a rank stuck in torch's code or a library's names the line here that
-    # called it.
-    while frame.f_code.co_filename != __file__:
-        frame = frame.f_back
-    raise KeyboardInterrupt(signum, f" in {frame.f_code.co_name} (line {frame.f_lineno})")
-
-
-class Dist(NamedTuple):
-    """Who this process is in the job: setup() returns it."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    timeout: float
-
-    def beat(self, where):
-        """Where this rank is, in the job's store, read without a collective: a rank whose
-        collective fails names where every rank was (run_rank). A rank that
-        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
-        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
-        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
+    # the rank unwinds as on Ctrl-C; run_rank names the signal
+    raise KeyboardInterrupt(signum)
 
 
 def setup(timeout, store=None, gloo=False):
-    """Check the launcher's variables, bind this process to its device, join the group."""
-    # set by the launcher
-    env = {
-        name: os.environ.get(name, "")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    # missing or not a number: -1
+    """Check the launcher's variables, bind this process to its device, join the group;
+    returns who this process is in the job (d: rank, world_size, device)."""
+    names = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"  # set by the launcher
+    env = {name: os.environ.get(name, "") for name in names}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
-    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
-    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
-    # by another program never answers); this wait ends at either. device_id: NCCL connects
-    # now, on this process's GPU.
-    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # A thread joins while this one waits, until the timeout or a signal: torch's store
+    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
+    # device_id: NCCL connects now, on this GPU.
     try:
         concurrent.futures.ThreadPoolExecutor(1).submit(
             dist.init_process_group,
@@ -623,29 +526,26 @@ def setup(timeout, store=None, gloo=False):
             timeout=datetime.timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
-    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(
-            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        ) from None
-    except Exception as e:
-        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
-        raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device, timeout)
+    except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
+        why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SetupError(f"cannot join the process group at env:// at {where}: {why}") from None
+    return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 
-def bind_device(local_rank, local_world, gloo):
+def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     # the cores this process may run on (Linux), shared by the node's ranks
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
+    if gloo or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
-    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a
+    # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
-    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 
 

@@ -41,14 +41,12 @@ import argparse
 import atexit
 import concurrent.futures
 import datetime
-import faulthandler
 import math
 import os
 import signal
 import socket
 import sys
 import traceback
-from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -95,14 +93,14 @@ def batches_per_rank(args, world_size):
         steps = steps_per_rank(counts, args)
         if rank >= world_size or step >= steps[rank]:
             raise SetupError(f"--nonfinite-at: rank {rank} runs no step {step}")
-    return list(counts)
+    return counts
 
 
 def steps_per_rank(counts, args):
     """With throw every rank stops at the shortest; else each runs all of its batches."""
     if args.mode == "throw":
         return [min(counts)] * len(counts)
-    return list(counts)
+    return counts
 
 
 def train(args, d, batches):
@@ -111,18 +109,15 @@ def train(args, d, batches):
     model = nn.Sequential(nn.Linear(1, 1, bias=False))
     if args.mode == "throw":
         model.insert(0, ScaledByGlobalMean())
-    ddp_model = DDP(
-        model.to(d.device),
-        device_ids=[d.device] if d.device.type == "cuda" else None,  # CPU: None
-    )
+    ddp_model = DDP(model.to(d.device))
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    x = torch.full((args.batch_size, 1), float(d.rank + 1), device=d.device)
+    x = torch.full((args.batch_size, 1), d.rank + 1.0, device=d.device)
     counter = SampleCounter(d.device)
     grads = []
 
     def step():
         loss = ddp_model(x).sum()
-        if args.nonfinite_at == (d.rank, len(grads)):
+        if args.nonfinite_at == [d.rank, len(grads)]:
             loss = loss * math.nan  # as an overflow or a bad sample would make it
         # Every rank runs backward, always: its all-reduce carries one rank's NaN to all, so
         # all see the same gradients and make the same choice, with no collective of ours.
@@ -159,8 +154,7 @@ def train(args, d, batches):
         check_even(batches, d)
         for _ in range(batches):
             step()
-    result = dict(grads=grads, weight=model[-1].weight.item(), samples=counter.total)
-    return result
+    return dict(grads=grads, weight=model[-1].weight.item(), samples=counter.total)
 
 
 class ScaledByGlobalMean(nn.Module):
@@ -226,7 +220,7 @@ def check_even(batches, d):
 def mismatched_collectives(d, timeout):
     """Rank 0 all-reduces 3 numbers, the others 2. Unchecked, Gloo may mix the data and NCCL
     may hang; TORCH_DISTRIBUTED_DEBUG=DETAIL compares every collective across ranks first.
-    (No DDP model here: its constructor segfaults under DETAIL on Gloo in torch >= 2.14.)"""
+    (No DDP model here: DETAIL crashes its constructor on Gloo, as parse_args says.)"""
     side = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
     x = torch.ones(3 if d.rank == 0 else 2, device=d.device)
     try:
@@ -250,8 +244,9 @@ def verify(everyone, counts, args):
     for rank, result in enumerate(everyone):
         got = result["grads"]
         expected = want[: steps[rank]]
-        same = len(got) == len(expected)
-        same = same and torch.allclose(torch.tensor(got), torch.tensor(expected), equal_nan=True)
+        same = len(got) == len(expected) and torch.allclose(
+            torch.tensor(got), torch.tensor(expected), equal_nan=True
+        )
         check(same, "closed-form gradients", f"rank {rank}: {got}, the formula: {expected}")
     torch.manual_seed(0)
     w = nn.Linear(1, 1, bias=False).weight.item()  # the initial weight, as train() made it
@@ -337,7 +332,7 @@ def build_parser():
 def parse_args(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    # DETAIL: DDP's constructor segfaults on Gloo in torch 2.14.1 and 2.15.0, not 2.4.1 (NOTES.md)
+    # DDP's constructor segfaults under DETAIL on Gloo in these versions (NOTES.md)
     detail = dist.get_debug_level() == dist.DebugLevel.DETAIL and args.mode != "mismatch"
     if detail and torch.__version__ >= (2, 14) and not torch.cuda.is_available():
         parser.error(
@@ -350,10 +345,10 @@ def parse_args(argv=None):
 
 
 def numbers(separator):
-    """An argparse type: whole numbers joined by separator, as a tuple."""
+    """An argparse type: whole numbers joined by separator, as a list."""
 
     def integers(text):
-        return tuple(number(int, 0)(n) for n in text.split(separator))
+        return [number(int, 0)(n) for n in text.split(separator)]
 
     return integers
 
@@ -375,21 +370,21 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time. Text that cannot be written (stdout closed, or a pipe
-    into `head` that has exited) is dropped: the job goes on and succeeds as it would."""
+    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
+    `head` that has exited) is dropped."""
     try:
         print(text, flush=True)
     except OSError:
         pass
 
 
-def number(cast, low, high=2**32):
-    """An argparse type: a number with low <= value < high, which nan and inf never are."""
+def number(cast, low):
+    """An argparse type: a number with low <= value < 2**32, which nan and inf never are."""
 
     def parse(text):
         value = cast(text)
-        if not low <= value < high:
-            raise argparse.ArgumentTypeError(f"must be >= {low} and < {high}, got {text}")
+        if not low <= value < 2**32:
+            raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
     return parse
@@ -398,12 +393,12 @@ def number(cast, low, high=2**32):
 def add_launch_args(parser):
     parser.add_argument(
         "--spawn",
-        type=number(int, 0),
-        help="start SPAWN processes with mp.spawn; 0: one per GPU, else 2",
+        type=number(int, 1),
+        help="start SPAWN processes with mp.spawn (on GPUs: one per GPU)",
     )
     parser.add_argument(
         "--timeout",
-        type=number(float, 0.1, 1e6),
+        type=number(float, 0.1),
         default=300.0,
         help="seconds to wait for a peer or a collective (default: %(default)g)",
     )
@@ -411,52 +406,50 @@ def add_launch_args(parser):
 
 def launch(main, args):
     """Run main(args) on every rank: under torchrun, with --spawn N, or as one process."""
-    if "RANK" in os.environ:  # a launcher started this process and set its variables
-        run_rank(None, main, args)  # (it never returns: run_rank ends the process)
-    # --spawn N (0: one per GPU, else 2); no launcher and no --spawn: a world of one, through
-    # the same code path
-    n = 1 if args.spawn is None else args.spawn or torch.cuda.device_count() or 2
-    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port, for a job started here
+    if torch.__version__ < (2, 4):  # a TorchVersion compares as numbers
+        sys.exit(f"error: needs torch >= 2.4; torch {torch.__version__} is installed")
+    if "RANK" in os.environ:  # a launcher (torchrun) started this process
+        run_rank(None, main, args)  # (never returns)
+    n = args.spawn or 1  # without --spawn: a world of one
+    with socket.create_server(("127.0.0.1", 0)) as s:  # a free port
         port = s.getsockname()[1]
-    # what torchrun would set; run_rank adds each rank's RANK and LOCAL_RANK
+    # as torchrun would set them; run_rank adds RANK and LOCAL_RANK
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
     if args.spawn is None:
-        run_rank(0, main, args)  # (never returns)
-    ranks = mp.start_processes(run_rank, args=(main, args), nprocs=n, join=False)  # spawned
-
-    # This process waits for its ranks. A signal sent to it alone (Kubernetes signals a
-    # container's first process) goes on to each, as torchrun forwards it; Ctrl-C reaches all.
-    def forward(signum, frame):
-        for p in ranks.processes:
-            os.kill(p.pid, signum)
-
+        run_rank(0, main, args)
+    # a signal sent to this process alone (Kubernetes signals a container's first process)
+    # goes on to every rank, as torchrun forwards it
     for sig in STOP_SIGNALS[1:]:
         signal.signal(sig, forward)
     try:
-        while not ranks.join():  # True once all have ended; raises when one has failed
-            pass
-    except mp.ProcessExitedException as e:  # that rank has printed its own reason
+        mp.spawn(run_rank, (main, args), n)  # waits for all; raises if one failed
+    except mp.ProcessExitedException as e:  # that rank has said why
         sys.exit(f"error: spawned process {e.error_index} exited with code {e.exit_code}")
-    except KeyboardInterrupt:  # Ctrl-C reached every rank too, and each has said so
+    except KeyboardInterrupt:  # each rank has said so too
         sys.exit(130)  # 128 + SIGINT
 
 
-# The signals that end a rank with one line: Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1
-# from sbatch --signal), a closed terminal, and SIGQUIT, which torchrun forwards too.
+def forward(signum, frame):
+    for rank in mp.active_children():
+        os.kill(rank.pid, signum)
+
+
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
+# SIGQUIT: each ends a rank with one line
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
-    """Run main(args) and end the process: exit 0, or non-zero after one line naming the rank;
-    then the program's exit hooks and os._exit."""
-    if index is not None:  # under --spawn: mp.spawn passes the index
+    """Run main(args), then end the process: exit 0, or one line naming the rank and a
+    non-zero exit."""
+    if index is not None:  # from mp.spawn
         os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
     for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # ignored (nohup's SIGHUP): it stays so
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
             signal.signal(sig, stop)
-    code = 1  # unless main returns
+    code = 1
     why = ""
     try:
         try:
@@ -464,104 +457,49 @@ def run_rank(index, main, args):
             code = 0
         except CheckFailed as e:
             why = f"CHECK FAILED: {e}"
-        except (SetupError, dist.DistError) as e:  # expected: one line says why
-            # (a DataLoader worker's SetupError comes back as torch's text, ours at its end)
+        except (SetupError, dist.DistError) as e:
+            # (a DataLoader worker's SetupError ends torch's text)
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
             # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or a wait timed out), wherever it surfaced
-            # (in DDP's all-reduce inside backward, say), and the message says so. (NCCL's are
-            # DistErrors.) Anything else is a bug: keep its traceback.
+            # collective failed (a peer is gone, or it timed out), and the text says so.
+            # Anything else is a bug: keep its traceback.
             if "gloo/" not in why:
                 traceback.print_exc()
-            else:
-                # A failed collective: where each rank was at its last beat (Dist.beat), if
-                # every rank has beaten, from the job's store: "; rank by rank: ['step 2,
-                # compute', 'step 2, data']". After a timeout (Gloo's words), every rank;
-                # after a lost peer, rank 0 alone: the store's host is rank 0 or torchrun's
-                # agent (one node), and a peer's read would fail if rank 0 is the peer that
-                # was lost (with a C++ warning, breaking the one line).
-                try:
-                    store = dist.distributed_c10d._get_default_store()
-                    keys = [f"beat {rank}" for rank in range(dist.get_world_size())]
-                    read = "Timed out" in why or dist.get_rank() == 0
-                    if read and store.check(keys):  # get() will not wait
-                        beats = [store.get(key).decode() for key in keys]
-                        why += f"; rank by rank: {beats}"
-                except Exception:  # the store unreachable: nothing to add
-                    pass
         finally:
-            # Ending already: a signal from now on could only garble the line. One that
-            # arrives before this loop is done is caught below, like one arriving in the
-            # handlers above; after it, none can escape (an unhandled KeyboardInterrupt ends
-            # Python by SIGINT, with no line: torchrun's SIGTERM did so to a rank ending on
-            # its own error, about one run in six here).
+            # ending already: a signal now would garble the line
             for sig in STOP_SIGNALS:
                 signal.signal(sig, signal.SIG_IGN)
-    # from stop() (the signal's number, and where it found this rank): unwound, now one line.
-    # A rank already ending on an error of its own when the signal came (torchrun's SIGTERM
-    # to the others, say) keeps that error's line and exit code.
-    except KeyboardInterrupt as e:
+    except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]
-            why = f"stopped by {signal.Signals(e.args[0]).name}{e.args[1]}"
-    # The end, out of the except blocks: their exception held the frames it passed through,
-    # and what those held is released now (DataLoader workers end), before the exit hooks.
+            why = f"stopped by {signal.Signals(e.args[0]).name}"
+    # out of the except blocks, the exception's frames are freed (DataLoader workers end)
     if why:
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
-    atexit._run_exitfuncs()  # exit hooks (a logger's, say), which os._exit would skip
-    try:
-        sys.stdout.flush()
-    except Exception:  # stdout closed or broken: nothing more to say
-        pass
-    os._exit(code)  # no interpreter shutdown and no destroy_process_group: NOTES.md says why
+    atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
+    os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 
 
 def stop(signum, frame):
-    # KeyboardInterrupt: the rank unwinds as on Ctrl-C, and DataLoader workers end quietly.
-    # Its line says where the signal found it: the innermost frame of this file (run_rank's
-    # at least), so a rank stuck in torch's code or a library's names the line here that
-    # called it.
-    while frame.f_code.co_filename != __file__:
-        frame = frame.f_back
-    raise KeyboardInterrupt(signum, f" in {frame.f_code.co_name} (line {frame.f_lineno})")
-
-
-class Dist(NamedTuple):
-    """Who this process is in the job: setup() returns it."""
-
-    rank: int
-    world_size: int
-    device: torch.device
-    timeout: float
-
-    def beat(self, where):
-        """Where this rank is, in the job's store, read without a collective: a rank whose
-        collective fails names where every rank was (run_rank). A rank that
-        makes no progress, no beat within --timeout + 5 s, dumps its stacks and exits."""
-        faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
-        dist.distributed_c10d._get_default_store().set(f"beat {self.rank}", where)
+    # the rank unwinds as on Ctrl-C; run_rank names the signal
+    raise KeyboardInterrupt(signum)
 
 
 def setup(timeout, store=None, gloo=False):
-    """Check the launcher's variables, bind this process to its device, join the group."""
-    # set by the launcher
-    env = {
-        name: os.environ.get(name, "")
-        for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
-    # missing or not a number: -1
+    """Check the launcher's variables, bind this process to its device, join the group;
+    returns who this process is in the job (d: rank, world_size, device)."""
+    names = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"  # set by the launcher
+    env = {name: os.environ.get(name, "") for name in names}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")
     device = bind_device(local_rank, local_world, gloo)
     cuda = device.type == "cuda"
-    # A thread joins and this one waits for it: torch's store waits in C++, where a signal
-    # (Ctrl-C) cannot end it, and may wait past the timeout (a client retries, and a port held
-    # by another program never answers); this wait ends at either. device_id: NCCL connects
-    # now, on this process's GPU.
-    where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    # A thread joins while this one waits, until the timeout or a signal: torch's store
+    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
+    # device_id: NCCL connects now, on this GPU.
     try:
         concurrent.futures.ThreadPoolExecutor(1).submit(
             dist.init_process_group,
@@ -572,29 +510,26 @@ def setup(timeout, store=None, gloo=False):
             timeout=datetime.timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
-    except concurrent.futures.TimeoutError:  # (before OSError: on Python >= 3.11 it is one)
-        raise SetupError(
-            f"not all of {world} ranks joined within {timeout:g}s ({where}); start the others"
-        ) from None
-    except Exception as e:
-        first = str(e).partition("\n")[0]  # torch's C++ errors add a stack trace
-        raise SetupError(f"cannot join the process group at {where}: {first}") from e
-    return Dist(rank, world, device, timeout)
+    except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
+        why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
+        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SetupError(f"cannot join the process group at env:// at {where}: {why}") from None
+    return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 
-def bind_device(local_rank, local_world, gloo):
+def bind_device(local_rank, local_world, gloo=False):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     # the cores this process may run on (Linux), shared by the node's ranks
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if gloo or not torch.cuda.is_available():  # Gloo, on the CPU
+    if gloo or not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    # Sees one GPU: the launcher gave each process its own (srun --gpus-per-task=1 sets
-    # CUDA_VISIBLE_DEVICES per task), or a one-GPU machine, where NCCL refuses a second process
+    # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a
+    # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
-    torch.cuda.set_device(device)  # before init, so that nothing lands on GPU 0 by default
+    torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 
 

@@ -529,7 +529,7 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
 UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
-DDP_ARGUMENT = "\n        # DDP's knobs, not passed here"  # 03 lists them there
+DDP_ARGUMENT = "\n        # DDP's knobs, at their defaults here"  # 03 lists them there
 
 
 def edited_copy(folder: Path, *edits: str) -> Path:
@@ -570,30 +570,30 @@ def inserted_copy(path: Path, script: str, anchor: str, lines: str, after: bool 
 
 
 def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
-    """03, but one rank goes wrong at step 2 (state.step 2: its third step, or the progress
+    """04, but one rank goes wrong at step 2 (state.step 2: its third step, or the progress
     line after its second), as the issue's hang cases:
-    - "data", "compute": it never returns from its data loading, or its forward (after its
-      beat there), as a rank blocked on a file or a lock;
-    - "frozen": it stops whole (SIGSTOP, after its data beat), as a hung machine;
+    - "data", "forward": it never returns from its data loading, or its forward (after it
+      entered that phase), as a rank blocked on a file or a lock;
+    - "frozen": it stops whole (SIGSTOP, after it entered its data phase), as a hung machine;
     - "skip": it skips the progress line after step 2 and its collectives, as a rank whose
       code takes another branch."""
+    script = "04_checkpoint.py"
     if case == "skip":
         line = "if state.step % args.log_every == 0:\n"  # (-> elif)
         skip = f"if d.rank == {rank} and state.step == 2:\n            pass\n        el"
-        return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", line, skip)
-    source = (REPO / "03_ddp_train.py").read_text()
+        return inserted_copy(tmp_path / "stuck.py", script, line, skip)
+    source = (REPO / script).read_text()
     phase = "data" if case == "frozen" else case
-    beat = re.search(rf'\n( +)d\.beat\(f"step {{state\.step}}, {phase}"\)\n', source)
-    indent = beat[1]
+    enter = re.search(rf'\n( +)hooks\.phases\.enter\(state\.step, "{phase}"\).*\n', source)
+    indent = enter[1]
     stop = "os.kill(os.getpid(), signal.SIGSTOP)" if case == "frozen" else "time.sleep(120)"
     stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    {stop}\n"
-    return inserted_copy(tmp_path / "stuck.py", "03_ddp_train.py", beat[0], stuck, after=True)
+    return inserted_copy(tmp_path / "stuck.py", script, enter[0], stuck, after=True)
 
 
 def stopped(line: str, sig: str) -> bool:
-    """Whether line is run_rank's for a rank that sig ended through stop(): "[rank N] stopped
-    by SIGTERM in FUNCTION (line N)", where the signal found it in the script."""
-    return re.fullmatch(rf"\[rank \d+\] stopped by {sig} in \S+ \(line \d+\)", line) is not None
+    """Whether line is run_rank's for a rank that sig ended through stop()."""
+    return re.fullmatch(rf"\[rank \d+\] stopped by {sig}", line) is not None
 
 
 def load_script(script: str):

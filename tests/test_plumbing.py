@@ -197,9 +197,6 @@ def test_a_frozen_peer_ends_the_others_after_timeout_in_one_line():
     assert "Traceback" not in r.stderr
     # Gloo's own words, either where the wait ran out or how the connection ended
     assert re.search(r"Timed out waiting 3000ms|timeout caused pair closure", line), line
-    if "Timed out" in line:  # and where each rank was (Dist.beat), from the job's store
-        # (rank 0's): rank 1's last beat stays there, though rank 1 is stopped
-        assert re.search(r"; rank by rank: \['step \d+, \w+', 'step \d+, \w+'\]$", line), line
     ours = [x for x in r.stderr.splitlines() if not re.match(r"[WE]\d{4} |\s*$", x)]
     # then, once running again, rank 1 may say its own one line before mp.spawn ends it
     assert ours[0] == line.strip() and all(x.startswith("[rank 1] ") for x in ours[1:-1]), r
