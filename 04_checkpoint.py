@@ -1129,15 +1129,17 @@ def stop(signum, frame):
     raise KeyboardInterrupt(signum)
 
 
-def setup(timeout, store=None, gloo=False):
+def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
-    names = "RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE"  # set by the launcher
-    env = {name: os.environ.get(name, "") for name in names}
+    # set by the launcher
+    env = {
+        v: os.environ.get(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    }
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")
-    device = bind_device(local_rank, local_world, gloo)
+    device = bind_device(local_rank, local_world)
     cuda = device.type == "cuda"
     # A thread joins while this one waits, until the timeout or a signal: torch's store
     # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
@@ -1154,16 +1156,16 @@ def setup(timeout, store=None, gloo=False):
         ).result(timeout + 2)
     except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
         why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
-        where = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise SetupError(f"cannot join the process group at env:// at {where}: {why}") from None
+        where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        raise SetupError(f"cannot join the process group at {where}: {why}") from None
     return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 
-def bind_device(local_rank, local_world, gloo=False):
+def bind_device(local_rank, local_world):
     """This process's share of the cores for torch's threads; NCCL: its GPU, bound before init."""
     # the cores this process may run on (Linux), shared by the node's ranks
     torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // local_world))
-    if gloo or not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
     # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a

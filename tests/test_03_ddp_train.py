@@ -388,7 +388,7 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     r = forked(SCRIPT, *TINY, "--save-model", model, nproc=2, file_size_kb=1024).failed()
     ranks = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert ranks == [f"[rank 0] error: cannot write {model}: File too large"], r
-    assert "verified: 2 rank(s)" in r.stdout, r
+    assert "epoch 1 done: " in r.stdout and "verified:" not in r.stdout, r  # (said after it)
     assert model.read_bytes() == b"an earlier run's weights"
     # no temporary file left
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
