@@ -19,7 +19,7 @@ Your own model and data: replace build_model() and build_datasets(). A job that 
 survive restarts and preemption: 04_checkpoint.py is this file plus what it needs.
 """
 
-from __future__ import annotations  # (an old torch reaches launch()'s version check)
+from __future__ import annotations  # (lets an old torch reach the version check)
 
 import argparse
 import atexit
@@ -67,21 +67,22 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    torch.manual_seed(0)  # the same initial weights on every rank
+    torch.manual_seed(0)  # the same initial weights in any world size (DDP copies rank 0's)
     model = build_model(args, num_classes).to(d.device, args.dtype)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
         model,
-        # DDP's knobs, at their defaults here; to change one, pass it:
-        # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
-        #   once backward has filled it (communication overlaps computation);
+        # DDP's knobs, all left at their defaults; to change one, pass it as shown:
+        # bucket_cap_mb=25 (the default): gradients are all-reduced in buckets of about this
+        #   many MB, each once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
         #   error at the next step names this argument);
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
     # DDP would copy rank 0's buffers (BatchNorm's running statistics) to every rank at each
-    # forward, a collective per step; the epoch loop does it once an epoch instead
+    # forward, a collective per step; the epoch loop does it once an epoch instead. (Set here:
+    # torch 2.15 deprecates the argument.)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -177,7 +178,7 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # --workers left out: none on the CPU (the cores train), else this process's cores, <= 8
+    # without --workers: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -189,7 +190,7 @@ def make_loaders(args, d, train_set, val_set):
         sampler=DistributedSampler(train_set),
         num_workers=workers,
         pin_memory=cuda,  # page-locked: copies to the GPU run async
-        drop_last=True,  # full batches only: one image fails BatchNorm where a layer sees 1x1
+        drop_last=True,  # full batches only (a batch of one image can fail BatchNorm)
     )
     # Validation: rank r takes samples r, r+W, r+2W, ...: each counts once (DistributedSampler
     # would repeat some; 05_eval_gather.py shows the cost)
@@ -237,7 +238,8 @@ def train_one_epoch(model, loader, state, args, d):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (with static_graph=True the first must too: pytorch#143580)
+            # all-reduces their sum. (static_graph=True: the first must too, pytorch#143580;
+            # an extra sync is exact.)
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):

@@ -29,7 +29,7 @@ marked where its code is.
   steps since the checkpoint come again (plot_metrics.py keeps the last line for a step).
 """
 
-from __future__ import annotations  # (an old torch reaches launch()'s version check)
+from __future__ import annotations  # (lets an old torch reach the version check)
 
 import argparse
 import atexit
@@ -93,21 +93,22 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    torch.manual_seed(0)  # the same initial weights on every rank
+    torch.manual_seed(0)  # the same initial weights in any world size (DDP copies rank 0's)
     model = build_model(args, num_classes).to(d.device, args.dtype)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
         model,
-        # DDP's knobs, at their defaults here; to change one, pass it:
-        # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
-        #   once backward has filled it (communication overlaps computation);
+        # DDP's knobs, all left at their defaults; to change one, pass it as shown:
+        # bucket_cap_mb=25 (the default): gradients are all-reduced in buckets of about this
+        #   many MB, each once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
         #   error at the next step names this argument);
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
     # DDP would copy rank 0's buffers (BatchNorm's running statistics) to every rank at each
-    # forward, a collective per step; the epoch loop does it once an epoch instead
+    # forward, a collective per step; the epoch loop does it once an epoch instead. (Set here:
+    # torch 2.15 deprecates the argument.)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -127,11 +128,9 @@ def main(args):
         )
 
     def after_step(last, due=False):
-        """Every rank, after each step (last: the epoch's last, whose save and stop wait for
-        the epoch's end) and at each epoch's end (due: a save is due): --simulate-failure
-        first; then a save every --save-every steps and when due, and a stop if any rank
-        was asked to: saved first, then the folder marked preempted, for a scheduler. A
-        signal after the last epoch's end lets the job finish."""
+        """Every rank, after each step and at each epoch's end: --simulate-failure; a save
+        every --save-every steps and at each epoch's end (due); a stop if any rank was asked,
+        saved first. The epoch's last step (last) leaves both to the epoch's end."""
         last_rank = d.rank == d.world_size - 1
         if state.step == args.simulate_failure and last_rank and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
@@ -249,7 +248,7 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # --workers left out: none on the CPU (the cores train), else this process's cores, <= 8
+    # without --workers: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -262,7 +261,7 @@ def make_loaders(args, d, train_set, val_set):
         num_workers=workers,
         worker_init_fn=quiet_worker,  # a stop is the rank's to make
         pin_memory=cuda,  # page-locked: copies to the GPU run async
-        drop_last=True,  # full batches only: one image fails BatchNorm where a layer sees 1x1
+        drop_last=True,  # full batches only (a batch of one image can fail BatchNorm)
     )
     # Validation: rank r takes samples r, r+W, r+2W, ...: each counts once (DistributedSampler
     # would repeat some; 05_eval_gather.py shows the cost)
@@ -392,7 +391,8 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (with static_graph=True the first must too: pytorch#143580)
+            # all-reduces their sum. (static_graph=True: the first must too, pytorch#143580;
+            # an extra sync is exact.)
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 hooks.phases.enter(state.step, "forward")
@@ -561,7 +561,10 @@ class Phases:
                 faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
             if self.where != published:
                 published = self.where
-                self.store.set(f"phase {self.d.rank}", published)
+                try:
+                    self.store.set(f"phase {self.d.rank}", published)
+                except Exception:  # the store's host is gone: the collectives will say so
+                    return
             time.sleep(1)
 
     def slowest(self):
@@ -579,17 +582,18 @@ class Phases:
         excess = before[rank] - before.median()
         if before[rank] < 2 * before.median() or excess < 0.1:
             return table.tolist(), ""
-        data, forward = table[rank] - table.median(0).values
-        phase = "data" if data > forward else "forward"
+        in_data, in_forward = table[rank] - table.median(0).values
+        phase = "data" if in_data > in_forward else "forward"
         return table.tolist(), f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's text names its source files): its line ends with each
-        phase's ranks, from the store. Read by every rank after a timeout, and by rank 0 alone
-        after a lost peer (a peer's read would fail if rank 0 is the one lost)."""
+        """A failed collective (Gloo's text names its source files; NCCL's do not reach here:
+        NOTES.md): its line ends with each phase's ranks, from the store. Read by every rank
+        after a timeout, by rank 0 alone after a lost peer (a peer's read fails if rank 0 is
+        the one lost)."""
         self.done = True
         faulthandler.cancel_dump_traceback_later()
         text = f"{kind.__name__}: {str(error).strip()}" if error else ""

@@ -14,11 +14,11 @@ where that is more: on a GPU), so the ratios mean the same at 2 processes or 8. 
 uses 03's optimizer (SGD with momentum and weight decay) and, like 03 on GPUs,
 cudnn.benchmark.
 
-It also times what 03's hang forensics add to each micro-batch (issue #38), measured alone
-in the bound's processes, against the bound's step: two of 03's own Dist.beat() calls, each a
-faulthandler re-arm and a set in the job's store; and the slow-rank timing, three clock
-reads and a row's add each micro-batch, with 03's own slowest_rank() (an all-reduce of a
-world-size x 2 table) every 10 (the default --log-every).
+It also times what 04's forensics add to each micro-batch (issues #38, #49), measured alone
+in the bound's processes, against the bound's step: its own Phases.enter() three times (a
+clock read and a few assignments; the store and the watchdog are its thread's, once a
+second), and the same with Phases.slowest() (an all-reduce of a world-size x 2 table)
+every 10 (the default --log-every).
 Run from the repo root:
 
   python benchmarks/ddp_overhead.py                 # 2 processes on CPU (Gloo)
@@ -94,34 +94,35 @@ def bound_worker(args: argparse.Namespace) -> None:
         dist.all_reduce(wanted, op=dist.ReduceOp.MAX)  # the same count on every rank
         steps = int(wanted)
     seconds = timed(steps)
-    beat, timing = forensics(rank, device, 2000)
+    phases, lines = forensics(rank, device, 2000)
     if rank == 0:
         images = steps * args.batch_size * dist.get_world_size()
         print(f"bound: {images / seconds:.1f} img/s ({steps} steps in {seconds:.2f} s)")
-        print(f"beats: {beat * 1e6:.1f} us a micro-batch, {beat / (seconds / steps):.3%} of a step")
-        share = timing / (seconds / steps)
-        print(f"timing: {timing * 1e6:.1f} us a micro-batch, {share:.3%} of a step")
+        share = phases / (seconds / steps)
+        print(f"phases: {phases * 1e6:.1f} us a micro-batch, {share:.3%} of a step")
+        share = lines / (seconds / steps)
+        print(f"with lines: {lines * 1e6:.1f} us a micro-batch, {share:.3%} of a step")
     dist.destroy_process_group()
 
 
 def forensics(rank: int, device, micro_batches: int) -> tuple[float, float]:
-    """Seconds a micro-batch spends in 03's two beats (its own Dist.beat, the shared block:
-    re-arm the faulthandler, set this rank's key in the job's store), and in its slow-rank
-    timing (three clock reads, a row's add, and every 10th its own slowest_rank()), each
-    done as 03's loop does it; the median of 5 timings."""
+    """Seconds a micro-batch spends in 04's forensics (its own Phases): the three enter()
+    calls of each micro-batch (memory only; its thread publishes to the store once a second),
+    and the same plus every 10th micro-batch its slowest() (an all-reduce of the world-size x
+    2 table, at a progress line); the median of 5 timings each."""
+    import argparse
     import faulthandler
     import importlib.util
     import statistics
 
-    import torch
     import torch.distributed as dist
 
-    spec = importlib.util.spec_from_file_location("ddp_train", REPO / "03_ddp_train.py")
+    spec = importlib.util.spec_from_file_location("checkpoint", REPO / "04_checkpoint.py")
     script = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = script  # (its dataclass looks its module up there)
+    sys.modules[spec.name] = script  # (its dataclasses look their module up there)
     spec.loader.exec_module(script)  # the definitions only: no __main__ block
-    d = script.Dist(rank, dist.get_world_size(), device, timeout=3600.0)
-    times = torch.zeros(d.world_size, 2)
+    d = argparse.Namespace(rank=rank, world_size=dist.get_world_size(), device=device)
+    phases = script.Phases(d, timeout=3600.0)
     now = time.perf_counter
 
     def median_seconds(micro_batch) -> float:
@@ -133,20 +134,21 @@ def forensics(rank: int, device, micro_batches: int) -> tuple[float, float]:
             timings.append((now() - start) / micro_batches)
         return statistics.median(timings)
 
-    def two_beats(i: int) -> None:
-        d.beat(f"step {i}, data")
-        d.beat(f"step {i}, compute")
+    def enters(i: int) -> None:
+        phases.enter(i, "data")
+        phases.enter(i, "forward")
+        phases.enter(i, "backward")
 
-    def timed(i: int) -> None:
-        loading = now()
-        loaded = now()
-        times[d.rank] += torch.tensor([loaded - loading, now() - loaded])
+    def with_lines(i: int) -> None:
+        enters(i)
         if i % 10 == 9:  # a progress line: every rank gathers the table
-            script.slowest_rank(times, d)
+            phases.slowest()
 
-    beat = median_seconds(two_beats)
-    faulthandler.cancel_dump_traceback_later()  # the last beat's watchdog
-    return beat, median_seconds(timed)
+    phase = median_seconds(enters)
+    lines = median_seconds(with_lines)
+    phases.done = True  # its thread ends, and with it the watchdog
+    faulthandler.cancel_dump_traceback_later()
+    return phase, lines
 
 
 def run(cmd: list[str]) -> str:
@@ -192,10 +194,10 @@ def main() -> None:
     timing = ["--steps", str(args.steps), "--seconds", str(args.seconds)]
     out = run(torchrun + [__file__, "--bound-worker"] + timing + shape)
     results = {"a_bound": float(re.search(r"bound: ([\d.]+) img/s", out)[1])}
-    beat = re.search(r"beats: ([\d.]+) us a micro-batch, ([\d.]+)% of a step", out)
-    beat_us, beat_share = float(beat[1]), float(beat[2]) / 100
-    timed = re.search(r"timing: ([\d.]+) us a micro-batch, ([\d.]+)% of a step", out)
-    timing_us, timing_share = float(timed[1]), float(timed[2]) / 100
+    found = re.search(r"phases: ([\d.]+) us a micro-batch, ([\d.]+)% of a step", out)
+    phases_us, phases_share = float(found[1]), float(found[2]) / 100
+    found = re.search(r"with lines: ([\d.]+) us a micro-batch, ([\d.]+)% of a step", out)
+    lines_us, lines_share = float(found[1]), float(found[2]) / 100
     # 03's epochs: 16 steps, or more where the bound shows that 16 take under --seconds (a
     # GPU), so that 03's own clock also measures seconds, not milliseconds
     global_batch = args.batch_size * args.nproc
@@ -223,10 +225,10 @@ def main() -> None:
         "image_size": args.image_size,
         "batch_size_per_process": args.batch_size,
         "images_per_s": results,
-        "beats_us_per_micro_batch": beat_us,
-        "beats_share_of_a_bound_step": beat_share,
-        "timing_us_per_micro_batch": timing_us,
-        "timing_share_of_a_bound_step": timing_share,
+        "phases_us_per_micro_batch": phases_us,
+        "phases_share_of_a_bound_step": phases_share,
+        "with_lines_us_per_micro_batch": lines_us,
+        "with_lines_share_of_a_bound_step": lines_share,
         "date": time.strftime("%Y-%m-%d"),
     }
     Path(args.out).write_text(json.dumps(record, indent=2) + "\n")
@@ -242,8 +244,8 @@ def main() -> None:
     ):
         print(f"  {label:<30} {results[key]:8.1f} img/s")
     print(f"  b/a = {results['b_over_a']:.3f}   c/a = {results['c_over_a']:.3f}")
-    print(f"  beats: {beat_us:.1f} us a micro-batch, {beat_share:.3%} of a bound step")
-    print(f"  timing: {timing_us:.1f} us a micro-batch, {timing_share:.3%} of a bound step")
+    print(f"  phases: {phases_us:.1f} us a micro-batch, {phases_share:.3%} of a bound step")
+    print(f"  with lines: {lines_us:.1f} us a micro-batch, {lines_share:.3%} of a bound step")
     print(f"(written to {args.out})")
 
 
