@@ -163,7 +163,7 @@ def image_folder(root, transform):
 
     try:
         return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
-    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
+    except (OSError, RuntimeError) as e:  # not a folder, no class folders, or no images
         raise SetupError(f"--data {root}: {e}") from e
 
 

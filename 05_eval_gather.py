@@ -140,8 +140,8 @@ def image_folder(root, transform):
 
     try:
         return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
-    except (FileNotFoundError, RuntimeError) as e:  # no class folders, or no images in them
-        raise SetupError(f"--data {root}: {e}") from e  # names the split
+    except (OSError, RuntimeError) as e:  # not a folder, no class folders, or no images
+        raise SetupError(f"--data {root}: {e}") from e
 
 
 def load_image(path):
@@ -282,7 +282,7 @@ def write_atomic(path, data):
     except OSError as e:
         raise SetupError(f"cannot write {path}: {e.strerror}") from None
     finally:
-        tmp.unlink(missing_ok=True)  # gone after the rename; after a failure, nothing is left
+        tmp.unlink(missing_ok=True)  # after a failure, nothing is left
 
 
 def build_parser():

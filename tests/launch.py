@@ -529,7 +529,7 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
 UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
-DDP_ARGUMENT = "\n        # DDP's knobs, at their defaults here"  # 03 lists them there
+DDP_ARGUMENT = "\n        # DDP's knobs, all left at their defaults"  # 03 lists them there
 
 
 def edited_copy(folder: Path, *edits: str) -> Path:

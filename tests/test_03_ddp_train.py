@@ -309,6 +309,11 @@ def test_unusable_data_is_a_clear_error(tmp_path):
             "'/nonexistent/imagenet/train'",
         ),
         (["--data", split], f"--data {split}/val: Found no valid file for the classes b."),
+        (  # a file, not a folder
+            ["--data", split / "train/a/0.png"],
+            f"--data {split}/train/a/0.png/train: [Errno 20] Not a directory: "
+            f"'{split}/train/a/0.png/train'",
+        ),
     ]:
         r = forked(SCRIPT, *args, "--timeout", "30").failed()
         assert f"[rank 0] error: {message}" in r.stderr
