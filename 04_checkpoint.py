@@ -1067,8 +1067,7 @@ def launch(main, args):
         run_rank(0, main, args)
     # a signal sent to this process alone (Kubernetes signals a container's first process)
     # goes on to every rank, as torchrun forwards it
-    for sig in STOP_SIGNALS[1:]:
-        signal.signal(sig, forward)
+    handle(STOP_SIGNALS[1:], forward)
     try:
         mp.spawn(run_rank, (main, args), n)  # waits for all; raises if one failed
     except mp.ProcessExitedException as e:  # that rank has said why
@@ -1091,10 +1090,8 @@ def run_rank(index, main, args):
     """Run main(args), then end the process: exit 0, or one line naming the rank and a
     non-zero exit."""
     if index is not None:  # from mp.spawn
-        os.environ.update(RANK=str(index), LOCAL_RANK=str(index))
-    for sig in STOP_SIGNALS:
-        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
-            signal.signal(sig, stop)
+        os.environ["RANK"] = os.environ["LOCAL_RANK"] = str(index)
+    handle(STOP_SIGNALS, stop)
     code = 1
     why = ""
     try:
@@ -1126,6 +1123,12 @@ def run_rank(index, main, args):
         sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
     atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
     os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
+
+
+def handle(signals, handler):
+    for sig in signals:
+        if signal.getsignal(sig) is not signal.SIG_IGN:  # nohup's SIGHUP stays ignored
+            signal.signal(sig, handler)
 
 
 def stop(signum, frame):
@@ -1160,8 +1163,10 @@ def setup(timeout, store=None):
         ).result(timeout + 2)
     except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
         why = str(e).partition("\n")[0] or f"not all of {world} ranks joined within {timeout:g}s"
-        where = f"env:// at {os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-        raise SetupError(f"cannot join the process group at {where}: {why}") from None
+        raise SetupError(
+            "cannot join the process group at env:// at "
+            f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}: {why}"
+        ) from None
     return argparse.Namespace(rank=rank, world_size=world, device=device)  # d
 
 

@@ -142,15 +142,20 @@ def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
     assert hooks_that_ran(tmp_path) == ["rank0"]
 
 
-def test_a_signal_that_was_ignored_stays_ignored(tmp_path):
-    # nohup ignores SIGHUP so that a job outlives its terminal: the script keeps it so
+@pytest.mark.parametrize("launcher, nproc", [("forked", 1), ("spawn", 2)])
+def test_a_signal_that_was_ignored_stays_ignored(launcher, nproc, tmp_path):
+    # nohup ignores SIGHUP so that a job outlives its terminal: the script keeps it so, and
+    # --spawn's launcher too (it forwarded SIGHUP to its ranks, which then stopped)
     args = [*LONG[:-6], "--epochs", 3, "--timeout", 60]
-    job = Watched("03_ddp_train.py", *args, launcher="forked", ignore=[signal.SIGHUP])
+    job = Watched("03_ddp_train.py", *args, launcher=launcher, nproc=nproc, ignore=[signal.SIGHUP])
     job.wait_for("epoch 1 done")
-    os.kill(job.proc.pid, signal.SIGHUP)
+    if launcher == "spawn":  # a closed terminal's, to the job's process group (its own)
+        os.killpg(job.proc.pid, signal.SIGHUP)
+    else:
+        os.kill(job.proc.pid, signal.SIGHUP)
     r = job.finish()
     assert r.returncode == 0, r
-    assert r.stdout.strip().splitlines()[-1].startswith("verified: 1 rank(s)"), r
+    assert r.stdout.strip().splitlines()[-1].startswith(f"verified: {nproc} rank(s)"), r
 
 
 def test_ctrl_c_under_spawn_is_one_line_per_rank_without_a_launcher_traceback():
