@@ -106,9 +106,9 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP would copy rank 0's buffers (BatchNorm's running statistics) to every rank at each
-    # forward, a collective per step; the epoch loop does it once an epoch instead. (Set here:
-    # torch 2.15 deprecates the argument.)
+    # DDP would copy rank 0's buffers (BatchNorm's running statistics, which only evaluation
+    # reads) to every rank at each forward, a collective per step; the epoch loop does it
+    # once, before evaluating. (Set here: torch 2.15 deprecates the argument.)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
