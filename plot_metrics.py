@@ -13,12 +13,16 @@ validation) and accuracy (training, validation). Each point carries its step and
 
 A log may hold a step twice: 04 appends, so after a resume the steps logged since its
 checkpoint come again. The last line for a step is the one kept, the resumed run's, as an
-uninterrupted run would have logged it. A line that is not JSON (torn by a crash) is skipped.
+uninterrupted run would have logged it. A line that is not JSON (torn by a crash, or not
+UTF-8) or has no integer step is skipped, and so is a value that is not a finite number
+(NaN and inf, which other tools write): the count of those is said. A series of more than
+MAX_POINTS points is drawn from every k-th (and its last), so a long run's picture stays small.
 """
 
 import argparse
 import html
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -32,24 +36,43 @@ SERIES = [
 ]
 PANELS = ["loss", "accuracy"]
 WIDTH, HEIGHT, MARGIN = 640, 220, 48  # each panel's size and its margin, in pixels
+MAX_POINTS = 2000  # drawn per series, at most
 
 
 def read_log(path):
-    """{field: [(step, value), ...]} from the log, by step, the last line for a step kept."""
-    latest = {}  # (step, "train" or "val"): the fields of the last line for it
-    for line in path.read_text().splitlines():
-        try:
-            fields = json.loads(line)
-            kind = "val" if "val_loss" in fields else "train"
-            latest[fields["step"], kind] = fields
-        except (ValueError, KeyError, TypeError):  # torn, or not a line of ours
-            continue
+    """{field: [(step, value), ...]} from the log, by step, the last line for a step kept;
+    and how many values were not finite numbers."""
+    latest = {}  # (step, "train" or "val"): the values of the last line for it
+    names = [name for name, *_ in SERIES]
+    with path.open("rb") as f:  # a line at a time: a long run's log is large
+        for line in f:
+            try:
+                fields = json.loads(line)  # (bytes that are not UTF-8: a ValueError)
+                step = fields["step"]
+                kind = "val" if "val_loss" in fields else "train"
+            except (ValueError, KeyError, TypeError):  # torn, or not a line of ours
+                continue
+            if type(step) is int:  # (not "2", 2.0 or True)
+                latest[step, kind] = {name: fields[name] for name in names if name in fields}
     series = {}
+    skipped = 0
     for (step, _), fields in sorted(latest.items()):
-        for name, *_ in SERIES:
-            if isinstance(fields.get(name), (int, float)):
-                series.setdefault(name, []).append((step, float(fields[name])))
-    return series
+        for name, value in fields.items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                series.setdefault(name, []).append((step, float(value)))
+            else:
+                skipped += 1
+    return series, skipped
+
+
+def thinned(points):
+    """At most MAX_POINTS of points: every k-th, and the last."""
+    if len(points) <= MAX_POINTS:
+        return points
+    picked = points[:: math.ceil(len(points) / (MAX_POINTS - 1))]
+    if picked[-1] != points[-1]:
+        picked.append(points[-1])
+    return picked
 
 
 def svg(series, title):
@@ -95,7 +118,7 @@ def svg(series, title):
             f'<text x="{left + 6}" y="{top + 2}" font-weight="bold">{name}</text>'
         )
         for i, (field, label, colour, _) in enumerate(mine):
-            pts = series[field]
+            pts = thinned(series[field])
             path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in pts)
             out.append(
                 f'<g class="series" data-field="{field}">'
@@ -130,7 +153,7 @@ def main(argv=None):
     if args.out.resolve() == args.log.resolve():
         parser.error("--out is the log itself")
     try:
-        series = read_log(args.log)
+        series, skipped = read_log(args.log)
         text = svg(series, args.title or args.log.name)
     except (OSError, ValueError) as e:
         sys.exit(f"error: cannot draw {args.log}: {e}")
@@ -142,7 +165,11 @@ def main(argv=None):
         sys.exit(f"error: cannot write {args.out}: {e.strerror}")
     finally:
         tmp.unlink(missing_ok=True)
-    print(f"{args.out}: {sum(map(len, series.values()))} points")
+    drawn = sum(len(thinned(points)) for points in series.values())
+    logged = sum(map(len, series.values()))
+    print(f"{args.out}: {drawn} points" + (f" (of {logged})" if drawn < logged else ""))
+    if skipped:
+        print(f"skipped {skipped} value(s) that are not finite numbers (NaN, inf, text)")
 
 
 if __name__ == "__main__":

@@ -61,3 +61,56 @@ def test_a_log_without_points_is_one_line_and_no_picture(tmp_path):
     done = draw(log, out)
     assert (done.returncode, done.stderr) == (1, f"error: cannot draw {log}: no point to draw\n")
     assert not out.exists()
+
+
+def drawn_points(out) -> dict:
+    drawn = {}
+    for series in ET.parse(out).getroot().iter(f"{SVG}g"):
+        if series.get("class") == "series":
+            drawn[series.get("data-field")] = [
+                (int(c.get("data-step")), float(c.get("data-value")))
+                for c in series.iter(f"{SVG}circle")
+            ]
+    return drawn
+
+
+def test_what_is_not_a_finite_number_or_an_integer_step_is_skipped_and_counted(tmp_path):
+    # other tools write NaN and inf (Python's json reads them); a line that is not UTF-8 and a
+    # step that is text ("2") were a refusal of the whole log and a traceback
+    log = tmp_path / "metrics.jsonl"
+    lines = [
+        b'{"step": 1, "lr": 0.1, "loss": 2.5, "acc": 0.1}',
+        b'{"step": 2, "lr": 0.1, "loss": NaN, "acc": 0.3}',
+        b'{"step": 3, "lr": 0.1, "loss": Infinity, "acc": -Infinity}',
+        b'{"step": "4", "lr": 0.1, "loss": 1.0, "acc": 0.5}',
+        b'{"step": 5, "lr": 0.1, "loss": 0.5, "acc": "high"}',
+        b'{"step": 6, "lr": 0.1, "loss": 0.25, "acc": "\xff"}',  # not UTF-8: the line goes
+    ]
+    log.write_bytes(b"\n".join(lines) + b"\n")
+    out = tmp_path / "curve.svg"
+    done = draw(log, out)
+    assert done.returncode == 0, done
+    assert done.stdout.splitlines() == [
+        f"{out}: 4 points",
+        "skipped 4 value(s) that are not finite numbers (NaN, inf, text)",
+    ], done
+    assert drawn_points(out) == {
+        "loss": [(1, 2.5), (5, 0.5)],
+        "acc": [(1, 0.1), (2, 0.3)],
+    }
+
+
+def test_a_long_run_is_drawn_from_at_most_max_points_per_series(tmp_path):
+    log = tmp_path / "metrics.jsonl"
+    steps = 50_001
+    with log.open("w") as f:
+        for step in range(1, steps + 1):
+            print(json.dumps({"step": step, "lr": 0.1, "loss": 1 / step, "acc": 0.5}), file=f)
+    out = tmp_path / "curve.svg"
+    done = draw(log, out)
+    assert done.returncode == 0, done
+    drawn = drawn_points(out)
+    assert done.stdout == f"{out}: {2 * len(drawn['loss'])} points (of {2 * steps})\n"
+    assert 1000 < len(drawn["loss"]) <= 2000  # plot_metrics.MAX_POINTS
+    assert drawn["loss"][0] == (1, 1.0) and drawn["loss"][-1] == (steps, 1 / steps)
+    assert out.stat().st_size < 500_000
