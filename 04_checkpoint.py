@@ -602,7 +602,9 @@ class Phases:
         keys = [f"phase {rank}" for rank in range(self.d.world_size)]
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
-            phases = [self.store.get(key).decode() for key in keys if self.store.check([key])]
+            if not self.store.check(keys):  # a rank has published nothing: no line to add
+                return
+            phases = [self.store.get(key).decode() for key in keys]
         except Exception:  # the store unreachable: nothing to add
             return
         where = {p: [r for r, q in enumerate(phases) if q == p] for p in dict.fromkeys(phases)}
