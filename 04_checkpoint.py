@@ -80,7 +80,7 @@ def main(args):
     torch.backends.cudnn.deterministic = True
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
-    preemption = Preemption(args.timeout)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
+    preemption = Preemption(d.device)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
@@ -137,7 +137,7 @@ def main(args):
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
             return
-        stop = preemption.agreed() if state.epoch < args.epochs else 0  # a CPU all-reduce
+        stop = preemption.agreed() if state.epoch < args.epochs else 0  # (no wait: a step late)
         if stop or due or state.step % args.save_every == 0:
             phases.enter(state.step, "save")
             save(state, writer, args, d, shape)
@@ -483,12 +483,12 @@ def verify_replicas_identical(model, d):
 # ---- preemption: a signal asks to stop, the ranks agree at a step boundary ---------------
 class Preemption:
     """A stop asked for by SIGTERM, SIGUSR1 or the launcher's death. The handler only sets a
-    flag (no collective may run inside one); the ranks agree on it after every step, over a
-    Gloo side group (a CPU tensor: no wait for the GPU)."""
+    flag (no collective may run inside one); the ranks agree on it after every step."""
 
-    def __init__(self, timeout):
+    def __init__(self, device):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
-        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout))
+        self.device = device
+        self.sent = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
         # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
@@ -509,9 +509,20 @@ class Preemption:
         self.asked = signal.SIGHUP
 
     def agreed(self):
-        """Every rank, at the same step: the signal any rank was asked to stop by, or 0."""
-        flag = torch.tensor([self.asked])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        """Every rank, at the same step: the signal any rank was asked to stop by a step ago,
+        or 0. The flags travel in an all-reduce that nobody waits for, read a step later: no
+        host waits here for another, nor for its GPU. (So a stop comes a step later.)"""
+        flag = torch.full([1], self.asked, device=self.device)  # (no copy, no wait)
+        work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
+        arrived = work.wait  # Gloo: the host waits for it
+        if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host
+            work.wait()
+            flag = flag.to("cpu", non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            arrived = event.synchronize  # the host waits for the copy
+        (flag, arrived), self.sent = self.sent, (flag, arrived)
+        arrived()
         return signal.Signals(int(flag)) if flag else 0
 
 
@@ -592,31 +603,55 @@ class Phases:
     def __exit__(self, kind, error, trace):
         """A failed collective (Gloo's text names its source files; NCCL's do not reach here:
         NOTES.md): its line ends with each phase's ranks, from the store. Read by every rank
-        after a timeout, by rank 0 alone after a lost peer (a peer's read fails if rank 0 is
-        the one lost)."""
+        after a timeout, by rank 0 alone after a lost peer (which may be the store's host)."""
         self.done = True
         faulthandler.cancel_dump_traceback_later()
         text = f"{kind.__name__}: {str(error).strip()}" if error else ""
-        if "gloo/" not in text or not ("Timed out" in text or self.d.rank == 0):
+        timed_out = "Timed out" in text
+        if "gloo/" not in text or not (timed_out or self.d.rank == 0):
             return
         keys = [f"phase {rank}" for rank in range(self.d.world_size)]
-        try:
+        phases = None
+        try:  # (multi_get: one round trip, whatever the number of ranks)
             self.store.set_timeout(datetime.timedelta(seconds=5))
-            if not self.store.check(keys):  # a rank has published nothing: no line to add
-                return
-            phases = [self.store.get(key).decode() for key in keys]
-        except Exception:  # the store unreachable: nothing to add
+            phases = [phase.decode() for phase in self.store.multi_get(keys)]
+            if timed_out:  # the first to end takes rank 0's store, or its launcher stops
+                # the others: each waits, up to 5 s, until all have read
+                if self.store.add("phases read", 1) == self.d.world_size:
+                    self.store.set("phases read by all", "")
+                self.store.wait(["phases read by all"])
+        except Exception:  # the store gone, a rank with no phase, or one that did not time out
+            pass
+        if not phases:
             return
-        where = {p: [r for r, q in enumerate(phases) if q == p] for p in dict.fromkeys(phases)}
+        by_phase = {}  # phase: its ranks
+        for rank, phase in enumerate(phases):
+            by_phase.setdefault(phase, []).append(rank)
+        # "rank 2: step 5, data; ranks 0-1, 3-7: step 5, backward": the odd ones out first
+        groups = sorted(by_phase.items(), key=lambda group: len(group[1]))
+        where = "; ".join(f"{spans(ranks)}: {phase}" for phase, ranks in groups)
         raise SetupError(f"{text}; where: {where}") from error
+
+
+def spans(ranks):
+    """Ascending ranks as text: [2] as "rank 2", [0, 1, 2, 5, 7, 8] as "ranks 0-2, 5, 7-8"."""
+    runs = []  # [first, last] of each run of consecutive ranks
+    for rank in ranks:
+        if runs and runs[-1][1] == rank - 1:
+            runs[-1][1] = rank
+        else:
+            runs.append([rank, rank])
+    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
+    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
 def choose_checkpoint(folder, shape, d):
-    """Every rank, before any work: rank 0 locks the folder and picks the newest checkpoint
-    that verifies (it must fit shape, rank 0's settings()), and one broadcast tells every
-    rank which (None: start from step 0) or why the job cannot go on."""
-    choice = [None, None]  # the checkpoint to resume from; rank 0's error
+    """Every rank, before any work: rank 0 locks the folder and reads the newest checkpoint
+    that verifies (it must fit shape, rank 0's settings()), and one broadcast gives every
+    rank its path and contents (None: start from step 0) or why the job cannot go on: one
+    read from storage, not one per rank."""
+    choice = [None, None]  # (path, the checkpoint) to resume from; rank 0's error
     if d.rank == 0:
         try:
             lock(folder)
@@ -650,9 +685,10 @@ def lock(folder):
 
 
 def newest_readable(folder, shape):
-    """Rank 0: the newest checkpoint that verifies, or None; it must fit shape. Newer ones
-    that do not verify are renamed *.unreadable, kept for a person to look at; if none does
-    but one was finished (it has its sha256), the job stops rather than start over."""
+    """Rank 0: (path, contents) of the newest checkpoint that verifies, or None; it must fit
+    shape. Newer ones that do not verify are renamed *.unreadable, kept for a person to look
+    at; if none does but one was finished (it has its sha256), the job stops rather than
+    start over."""
     newest = None
     unreadable = {}  # path: the error that names it and says why
     for path in checkpoints_in(folder):
@@ -672,9 +708,9 @@ def newest_readable(folder, shape):
         path.rename(f"{path}.unreadable")
     if newest is None:
         say(f"no checkpoint in {folder}: starting from step 0")
-    else:
-        check_settings(saved["args"], newest, shape)
-    return newest
+        return None
+    check_settings(saved["args"], newest, shape)
+    return newest, saved
 
 
 def checkpoints_in(folder):
@@ -707,11 +743,11 @@ def marker(path):
     return Path(f"{path}.sha256")
 
 
-def resume(state, path, args, d, sampler, steps_per_epoch):
-    """Every rank: the checkpoint rank 0 chose, loaded into the training state; with other
-    processes, batch or --epochs, from the same place in the data, on a one-cycle schedule
-    rebuilt for the new number of steps."""
-    saved = read_checkpoint(path)  # every rank reads it: the folder is on shared storage
+def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
+    """Every rank: the checkpoint rank 0 chose, (path, contents), loaded into the training
+    state; with other processes, batch or --epochs, from the same place in the data, on a
+    one-cycle schedule rebuilt for the new number of steps."""
+    path, saved = checkpoint
     try:
         state.load_state_dict(saved)
     except (RuntimeError, KeyError, ValueError) as e:  # build_model changed, say
@@ -749,13 +785,12 @@ def check_settings(saved, path, shape):
 def settings(args, train_set):
     """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN and, with --data,
     what the training images are, not where: their number, their classes, and a sha256 of
-    their names (class folder included) and sizes (cheap: no image is opened)."""
+    their names (class folder included), from ImageFolder's list: no file is opened or
+    stat'ed (on a network filesystem, 1.28 M stats take minutes while the others wait)."""
     shape = {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
     if args.data:  # (ImageFolder's samples; replace with what identifies your data)
         del shape["--train-size"]
-        images = [
-            f"{os.path.relpath(p, args.data)} {os.path.getsize(p)}" for p, _ in train_set.samples
-        ]
+        images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
         digest = hashlib.sha256(str(images).encode()).hexdigest()
         shape["images"] = f"{len(images)} in classes {train_set.classes} (sha256 {digest[:8]})"
     return shape
