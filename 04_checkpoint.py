@@ -613,10 +613,10 @@ class Phases:
         keys = [f"phase {rank}" for rank in range(self.d.world_size)]
         phases = None
         try:  # (multi_get: one round trip, whatever the number of ranks)
-            self.store.set_timeout(datetime.timedelta(seconds=5))
+            self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout, 5)))
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
             if timed_out:  # the first to end takes rank 0's store, or its launcher stops
-                # the others: each waits, up to 5 s, until all have read
+                # the others: each waits (as long) until all have read
                 if self.store.add("phases read", 1) == self.d.world_size:
                     self.store.set("phases read by all", "")
                 self.store.wait(["phases read by all"])

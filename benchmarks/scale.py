@@ -2,6 +2,7 @@ r"""benchmarks/scale.py: what 04_checkpoint.py costs each rank as the job grows.
 
   python benchmarks/scale.py                     # world sizes 2, 4, 8 and 16, on Gloo
   python benchmarks/scale.py --sizes 2 4 8 16 32 --files 100000
+  SCALE_SCRIPT=old/04_checkpoint.py python benchmarks/scale.py   # another version of 04
 
 For each world size it runs 04's main() twice in a checkpoint folder of its own: a fresh
 run of S steps, then a resume of it for one more epoch. Each rank is a process forked from
@@ -48,15 +49,17 @@ RUN = ["--arch", "shufflenet_v2_x0_5", "--image-size", "32", "--batch-size", "2"
 RUN += ["--val-size", "0", "--log-every", "100000", "--save-every", "100000", "--timeout", "120"]
 
 
-def load_04():
-    spec = importlib.util.spec_from_file_location("checkpoint_04", REPO / "04_checkpoint.py")
+def load_04(path):
+    spec = importlib.util.spec_from_file_location("checkpoint_04", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
 
-SCRIPT = load_04()  # before the fork: each rank starts with it imported
+# before the fork: each rank starts with it imported (--script: another version's, to compare)
+SCRIPT_PATH = os.environ.get("SCALE_SCRIPT", REPO / "04_checkpoint.py")
+SCRIPT = load_04(SCRIPT_PATH)
 
 
 class CountingStore(dist.Store):

@@ -921,7 +921,7 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
     where = "; where: rank 2: step 1, backward; ranks 0-1: step 2, progress line"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours] == ["[rank 0]", "[rank 2]"], r
-    assert "Is there a distributed collective mismatch in your code?" in r.stderr, r
+    assert "op.preamble.length <= op.nbytes. 8 vs 4" in r.stderr, r  # Gloo's, 2.4.1 and 2.15.0
     assert ours[0].startswith("[rank 0] error: RuntimeError: [") and ours[0].endswith(where), r
     assert "gloo/" in ours[1] and "where" not in ours[1], r  # a peer lost: rank 0 reads
     assert r.stderr.count("Traceback") == (launcher == "torchrun"), r  # the agent's own
