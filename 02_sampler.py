@@ -232,7 +232,7 @@ def number(cast, low):
 
     def parse(text):
         value = cast(text)
-        if not low <= value < 2**32:
+        if not low <= value < 4294967296:  # 2**32
             raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
@@ -308,10 +308,10 @@ def run_rank(index, main, args):
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or it timed out), and the text says so.
-            # Anything else is a bug: keep its traceback.
-            if "gloo/" not in why:
+            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc") or say
+            # "... caused pair closure": a collective failed (a peer is gone, or it timed
+            # out), and the text says so. Anything else is a bug: keep its traceback.
+            if "gloo/" not in why and "pair closure" not in why:
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
@@ -343,9 +343,7 @@ def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
     # set by the launcher
-    env = {
-        v: os.environ.get(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
+    env = {v: os.getenv(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")

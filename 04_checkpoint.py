@@ -386,7 +386,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # draws what the interrupted one would have, with no random state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
         for k in range(args.accum_steps):
-            hooks.phases.enter(state.step, "data")  # (memory only: no I/O per micro-batch)
+            hooks.phases.enter(state.step, "data")  # (memory only, no I/O)
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
@@ -530,9 +530,9 @@ class Preemption:
 class Phases:
     """This rank's phase ("step 5, forward"), and its seconds in data loading and in forward
     since the last progress line: noted in memory, no I/O per micro-batch. A thread puts the
-    phase in the job's store once a second when it changed, and re-arms a watchdog while the
-    rank moves on: a rank stuck in one phase for --timeout + 5 s dumps its stacks and exits.
-    Within `with phases:`, a failed collective's line ends with where every rank was."""
+    phase in the job's store once a second when it changed, and watches: a rank stuck in one
+    phase for --timeout + 5 s prints its stacks and a line, and exits. Within `with phases:`,
+    a failed collective's line ends with where every rank was."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -562,19 +562,25 @@ class Phases:
             yield batch
 
     def publish(self):
-        """The thread: the phase into the store, and the watchdog re-armed from the first
-        phase on (start-up and the final save are not watched)."""
+        """The thread, once a second: the phase into the store when it changed, and from the
+        first phase on, the watchdog. It counts its own seconds, not the clock's: a suspended
+        job (scontrol suspend) is not stuck."""
         published = None
-        moves = 0
+        moves = still = 0  # phases entered when last seen; this thread's seconds since
         while not self.done:
-            if self.moves != moves:
-                moves = self.moves
-                faulthandler.dump_traceback_later(self.timeout + 5, exit=True)
+            still = still + 1 if self.moves == moves else 0
+            moves = self.moves
+            if moves and still > self.timeout + 5:  # stuck: its stacks, its line, its end
+                faulthandler.dump_traceback(all_threads=True)
+                for worker in mp.active_children():  # its DataLoader workers
+                    worker.kill()
+                sys.stderr.write(f"[rank {self.d.rank}] stuck for {still} s in {self.where}\n")
+                os._exit(1)
             if self.where != published:
                 published = self.where
                 try:
                     self.store.set(f"phase {self.d.rank}", published)
-                except Exception:  # the store's host is gone: the collectives will say so
+                except Exception:  # the store is gone: the collectives will say so
                     return
             time.sleep(1)
 
@@ -601,14 +607,14 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's text names its source files; NCCL's do not reach here:
-        NOTES.md): its line ends with each phase's ranks, from the store. Read by every rank
-        after a timeout, by rank 0 alone after a lost peer (which may be the store's host)."""
+        """A failed collective (Gloo's; NCCL's do not reach here: NOTES.md): its line ends with
+        each phase's ranks, from the store. Read by every rank after a timeout, by rank 0
+        alone after a lost peer (perhaps the store's host)."""
         self.done = True
-        faulthandler.cancel_dump_traceback_later()
         text = f"{kind.__name__}: {str(error).strip()}" if error else ""
-        timed_out = "Timed out" in text
-        if "gloo/" not in text or not (timed_out or self.d.rank == 0):
+        # Gloo's text names its source files, or says that another op timed out
+        timed_out = "pair closure" in text or ("gloo/" in text and "Timed out" in text)
+        if not (timed_out or ("gloo/" in text and self.d.rank == 0)):
             return
         keys = [f"phase {rank}" for rank in range(self.d.world_size)]
         phases = None
@@ -786,7 +792,7 @@ def settings(args, train_set):
     """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN and, with --data,
     what the training images are, not where: their number, their classes, and a sha256 of
     their names (class folder included), from ImageFolder's list: no file is opened or
-    stat'ed (on a network filesystem, 1.28 M stats take minutes while the others wait)."""
+    stat'ed while the others wait."""
     shape = {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
     if args.data:  # (ImageFolder's samples; replace with what identifies your data)
         del shape["--train-size"]
@@ -1066,7 +1072,7 @@ def number(cast, low):
 
     def parse(text):
         value = cast(text)
-        if not low <= value < 2**32:
+        if not low <= value < 4294967296:  # 2**32
             raise argparse.ArgumentTypeError(f"must be >= {low} and < 4294967296, got {text}")
         return value
 
@@ -1142,10 +1148,10 @@ def run_rank(index, main, args):
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc"): a
-            # collective failed (a peer is gone, or it timed out), and the text says so.
-            # Anything else is a bug: keep its traceback.
-            if "gloo/" not in why:
+            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc") or say
+            # "... caused pair closure": a collective failed (a peer is gone, or it timed
+            # out), and the text says so. Anything else is a bug: keep its traceback.
+            if "gloo/" not in why and "pair closure" not in why:
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
@@ -1177,9 +1183,7 @@ def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
     # set by the launcher
-    env = {
-        v: os.environ.get(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
-    }
+    env = {v: os.getenv(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
     if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
         raise SetupError(f"the launcher's variables are invalid: {env}")

@@ -39,9 +39,10 @@ MAX_TOKENS = {
     "05_eval_gather.py": 3000,
     "06_join_uneven.py": 2700,
 }
-EXTRA_FOR_04 = 3550  # 04 is 03 plus checkpoints, stopping, forensics and metrics (#49: 2,900;
+EXTRA_FOR_04 = 3600  # 04 is 03 plus checkpoints, stopping, forensics and metrics (#49: 2,900;
 # #50 added 250: the asynchronous stop agreement and its GPU path, ranks as spans, the wait
-# that keeps rank 0's store up until every rank has read it)
+# that keeps rank 0's store up until every rank has read it; #52 added 50: a watchdog that
+# counts its own seconds, prints a line and ends its workers, and Gloo's "pair closure")
 # prose words per 100 code tokens, at most (nanoGPT's train.py writes 48)
 MAX_WORDS_PER_100 = {"03_ddp_train.py": 50, "04_checkpoint.py": 55}
 DEFAULT_WORDS_PER_100 = 60
