@@ -279,6 +279,20 @@ def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
     assert "stuck for" not in r.stderr and "Timeout" not in r.stderr, r
 
 
+@pytest.mark.hangs  # about 10 s
+def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path):
+    # A FIFO among the images (a file that never finishes: a hung network mount, say): the
+    # DataLoader worker blocks reading it, and the rank waits in its data phase. Its
+    # watchdog prints the stacks and its line, and kills the worker, which held the pipe
+    # this test reads (as `04 ... | tee log`): the run ends, nothing left running.
+    image_folder(tmp_path / "images")
+    os.mkfifo(tmp_path / "images/train/red/zz.png")  # ImageFolder sorts it last: step 0's
+    args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
+    r = run(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
+    assert r.returncode == 1 and r.stderr.endswith("[rank 0] stuck for 7 s in step 0, data\n"), r
+    assert "in load_image" not in r.stderr, r  # the worker's stack is its own, not shown
+
+
 def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
     # No signal comes: the shell that started `nohup python 04 ... &` exits, and the job's
     # parent changes. It took that for a killed launcher and stopped 4 s later "on SIGTERM".
