@@ -7,9 +7,12 @@ Run
 03 and 04 append one JSON line per logging step ({"step", "lr", "loss", "acc",
 "rank_seconds"}: that step's loss and accuracy over every rank's images, and each rank's
 [data, forward] seconds since the last line) and one per epoch ({"step", "lr",
-"val_loss", "val_acc", "img_s"}). Two panels, against the global step: loss (training,
-validation) and accuracy (training, validation). Each point carries its step and value
-(data-step, data-value), so a test, or a person, can read them back.
+"val_loss", "val_acc", "img_s"}). Three panels, against the global step: loss (training,
+validation; on a log scale when it spans more than a decade), accuracy (training,
+validation) and the learning rate (the next step's, from the training lines). Axes are
+ticked at round values; the legend stands right of the panels, clear of the curves. Each
+point carries its step and value (data-step, data-value), so a test, or a person, can read
+them back.
 
 A log may hold a step twice: 04 appends, so after a resume the steps logged since its
 checkpoint come again. The last line for a step is the one kept, the resumed run's, as an
@@ -29,13 +32,15 @@ from pathlib import Path
 
 # (field in the log, label, colour, panel)
 SERIES = [
-    ("loss", "training loss", "#1f77b4", 0),
-    ("val_loss", "validation loss", "#d62728", 0),
-    ("acc", "training accuracy", "#1f77b4", 1),
-    ("val_acc", "validation accuracy", "#d62728", 1),
+    ("loss", "training", "#1f77b4", 0),
+    ("val_loss", "validation", "#d62728", 0),
+    ("acc", "training", "#1f77b4", 1),
+    ("val_acc", "validation", "#d62728", 1),
+    ("lr", "learning rate", "#2ca02c", 2),
 ]
-PANELS = ["loss", "accuracy"]
-WIDTH, HEIGHT, MARGIN = 640, 220, 48  # each panel's size and its margin, in pixels
+PANELS = ["loss", "accuracy", "learning rate"]
+WIDTH, HEIGHT = 760, 200  # the picture's width, and each panel's height, in pixels
+LEFT, RIGHT = 64, 600  # a panel's plot area, left to right; the legend is right of it
 MAX_POINTS = 2000  # drawn per series, at most
 
 
@@ -54,6 +59,8 @@ def read_log(path):
                 continue
             if type(step) is int:  # (not "2", 2.0 or True)
                 latest[step, kind] = {name: fields[name] for name in names if name in fields}
+                if kind == "val":  # its lr is the training line's, drawn once
+                    latest[step, kind].pop("lr", None)
     series = {}
     skipped = 0
     for (step, _), fields in sorted(latest.items()):
@@ -75,14 +82,32 @@ def thinned(points):
     return picked
 
 
+def ticks(low, high, log=False, least=0.0):
+    """Round values from low to high for an axis: 1, 2 or 5 times a power of ten apart, at
+    least least (on a log scale, the powers of ten). Returns (ticks, the axis's low, its
+    high): the axis ends on a tick at each side."""
+    if log:
+        first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+        return [10.0**k for k in range(first, last + 1)], 10.0**first, 10.0**last
+    if high == low:  # one value: an axis around it
+        low, high = low - (abs(low) / 10 or 0.5), high + (abs(high) / 10 or 0.5)
+    raw = (high - low) / 5
+    power = 10 ** math.floor(math.log10(raw))
+    step = max(least, next(k * power for k in (1, 2, 5, 10) if k * power >= raw))
+    first, last = math.floor(low / step), math.ceil(high / step)
+    values = [round(k * step, 12) for k in range(first, last + 1)]
+    return values, values[0], values[-1]
+
+
 def svg(series, title):
-    """The SVG text: one panel per entry of PANELS, stacked."""
+    """The SVG text: one panel per entry of PANELS that has points, stacked."""
     points = [p for values in series.values() for p in values]
     if not points:
         raise ValueError("no point to draw")
-    first, last = min(s for s, _ in points), max(s for s, _ in points)
-    span = max(last - first, 1)
-    height = len(PANELS) * HEIGHT + MARGIN
+    steps, _, _ = ticks(min(s for s, _ in points), max(s for s, _ in points), least=1)
+    first, last = steps[0], steps[-1]
+    panels = [i for i in range(len(PANELS)) if any(s[3] == i and s[0] in series for s in SERIES)]
+    height = 30 + len(panels) * HEIGHT
     out = [
         f'<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{height}" '
         f'font-family="sans-serif" font-size="12">',
@@ -90,50 +115,67 @@ def svg(series, title):
         f'<text x="{WIDTH / 2}" y="18" text-anchor="middle" font-size="14">'
         f"{html.escape(title)}</text>",
     ]
-    for panel, name in enumerate(PANELS):
+    for row, panel in enumerate(panels):
         mine = [s for s in SERIES if s[3] == panel and s[0] in series]
         values = [v for s in mine for _, v in series[s[0]]]
-        if not values:
-            continue
         low, high = min(values), max(values)
-        if high == low:
-            low, high = low - 0.5, high + 0.5
-        top = MARGIN / 2 + panel * HEIGHT + 10
-        left, right, bottom = 72, WIDTH - 16, top + HEIGHT - MARGIN  # room for "9.78e-06"
+        log = panel == 0 and low > 0 and high / low > 10  # the loss over more than a decade
+        marks, low, high = ticks(low, high, log)
+        scale = math.log10 if log else float
+        top = 40 + row * HEIGHT
+        bottom = top + HEIGHT - 50
 
-        def x(step, left=left, right=right):
-            return left + (step - first) / span * (right - left)
+        def x(step):
+            return LEFT + (step - first) / (last - first) * (RIGHT - LEFT)
 
-        def y(value, top=top, bottom=bottom, low=low, high=high):
-            return bottom - (value - low) / (high - low) * (bottom - top)
+        axis = scale(low), scale(high)
 
+        def y(value, top=top, bottom=bottom, axis=axis, scale=scale):
+            return bottom - (scale(value) - axis[0]) / (axis[1] - axis[0]) * (bottom - top)
+
+        kind = "log" if log else "linear"
         out.append(
-            f'<g class="panel" data-panel="{name}">'
-            f'<line x1="{left}" y1="{bottom}" x2="{right}" y2="{bottom}" stroke="black"/>'
-            f'<line x1="{left}" y1="{top}" x2="{left}" y2="{bottom}" stroke="black"/>'
-            f'<text x="{left - 4}" y="{top + 4}" text-anchor="end">{high:.3g}</text>'
-            f'<text x="{left - 4}" y="{bottom}" text-anchor="end">{low:.3g}</text>'
-            f'<text x="{left}" y="{bottom + 16}">step {first}</text>'
-            f'<text x="{right}" y="{bottom + 16}" text-anchor="end">step {last}</text>'
-            f'<text x="{left + 6}" y="{top + 2}" font-weight="bold">{name}</text>'
+            f'<g class="panel" data-panel="{PANELS[panel]}" data-scale="{kind}">'
+            f'<text x="{LEFT}" y="{top - 6}" font-weight="bold">{PANELS[panel]}'
+            + (" (log scale)" if log else "")
+            + "</text>"
+        )
+        for value in marks:  # the value axis: a grid line and a label at each tick
+            out.append(
+                f'<line x1="{LEFT}" y1="{y(value):.1f}" x2="{RIGHT}" y2="{y(value):.1f}" '
+                f'stroke="#ddd"/><text class="tick" data-axis="y" data-value="{value!r}" '
+                f'x="{LEFT - 4}" y="{y(value) + 4:.1f}" text-anchor="end">{value:g}</text>'
+            )
+        for step in steps:  # the step axis
+            out.append(
+                f'<line x1="{x(step):.1f}" y1="{top}" x2="{x(step):.1f}" y2="{bottom}" '
+                f'stroke="#eee"/><text class="tick" data-axis="x" data-value="{step!r}" '
+                f'x="{x(step):.1f}" y="{bottom + 14}" text-anchor="middle">{step:g}</text>'
+            )
+        out.append(
+            f'<rect x="{LEFT}" y="{top}" width="{RIGHT - LEFT}" height="{bottom - top}" '
+            f'fill="none" stroke="black"/>'
+            f'<text x="{(LEFT + RIGHT) / 2}" y="{bottom + 30}" text-anchor="middle">step</text>'
         )
         for i, (field, label, colour, _) in enumerate(mine):
             pts = thinned(series[field])
             path = " ".join(f"{x(s):.1f},{y(v):.1f}" for s, v in pts)
+            dashes = ' stroke-dasharray="4 3"' if field.startswith("val_") else ""
             out.append(
                 f'<g class="series" data-field="{field}">'
                 f'<polyline points="{path}" fill="none" stroke="{colour}" stroke-width="1.5"'
-                + (' stroke-dasharray="4 3"' if field.startswith("val_") else "")
-                + "/>"
+                f"{dashes}/>"
             )
             for s, v in pts:
                 out.append(
                     f'<circle cx="{x(s):.1f}" cy="{y(v):.1f}" r="2.5" fill="{colour}" '
                     f'data-step="{s}" data-value="{v!r}"/>'
                 )
+            legend = top + 10 + 18 * i  # right of the plot area: never over a curve
             out.append(
-                f'<text x="{right - 150}" y="{top + 14 + 14 * i}" fill="{colour}">{label}</text>'
-                "</g>"
+                f'<line class="legend" x1="{RIGHT + 12}" y1="{legend}" x2="{RIGHT + 36}" '
+                f'y2="{legend}" stroke="{colour}" stroke-width="2"{dashes}/>'
+                f'<text x="{RIGHT + 42}" y="{legend + 4}" fill="{colour}">{label}</text></g>'
             )
         out.append("</g>")
     out.append("</svg>")

@@ -38,19 +38,13 @@ def test_the_picture_holds_the_logs_points(tmp_path):
     out = tmp_path / "curve.svg"
     done = draw(log, out)
     assert done.returncode == 0, done
-    assert done.stdout == f"{out}: 12 points\n"
-    drawn = {}
-    for series in ET.parse(out).getroot().iter(f"{SVG}g"):
-        if series.get("class") == "series":
-            drawn[series.get("data-field")] = [
-                (int(c.get("data-step")), float(c.get("data-value")))
-                for c in series.iter(f"{SVG}circle")
-            ]
-    assert drawn == {
+    assert done.stdout == f"{out}: 16 points\n"
+    assert drawn_points(out) == {
         "loss": [(1, 2.5), (2, 2.0), (3, 1.5), (4, 1.0)],
         "acc": [(1, 0.1), (2, 0.3), (3, 0.5), (4, 0.75)],
         "val_loss": [(2, 2.2), (4, 1.25)],
         "val_acc": [(2, 0.25), (4, 0.625)],
+        "lr": [(1, 0.1), (2, 0.2), (3, 0.1), (4, 0.05)],  # the training lines' alone
     }
 
 
@@ -91,12 +85,13 @@ def test_what_is_not_a_finite_number_or_an_integer_step_is_skipped_and_counted(t
     done = draw(log, out)
     assert done.returncode == 0, done
     assert done.stdout.splitlines() == [
-        f"{out}: 4 points",
+        f"{out}: 8 points",
         "skipped 4 value(s) that are not finite numbers (NaN, inf, text)",
     ], done
     assert drawn_points(out) == {
         "loss": [(1, 2.5), (5, 0.5)],
         "acc": [(1, 0.1), (2, 0.3)],
+        "lr": [(1, 0.1), (2, 0.1), (3, 0.1), (5, 0.1)],
     }
 
 
@@ -110,7 +105,43 @@ def test_a_long_run_is_drawn_from_at_most_max_points_per_series(tmp_path):
     done = draw(log, out)
     assert done.returncode == 0, done
     drawn = drawn_points(out)
-    assert done.stdout == f"{out}: {2 * len(drawn['loss'])} points (of {2 * steps})\n"
+    assert done.stdout == f"{out}: {3 * len(drawn['loss'])} points (of {3 * steps})\n"
     assert 1000 < len(drawn["loss"]) <= 2000  # plot_metrics.MAX_POINTS
     assert drawn["loss"][0] == (1, 1.0) and drawn["loss"][-1] == (steps, 1 / steps)
-    assert out.stat().st_size < 500_000
+    assert out.stat().st_size < 800_000  # three series of at most 2,000 points
+
+
+def test_the_picture_reads_as_a_person_reads_a_curve(tmp_path):
+    # Issue #53: the axes showed only their minimum and maximum, a loss falling by orders of
+    # magnitude on a linear scale, the legend over the curves, no learning rate. Read back
+    # from the SVG (a person looked at it rendered by rsvg-convert; CI has no renderer).
+    log = tmp_path / "metrics.jsonl"
+    with log.open("w") as f:
+        for step in range(1, 401):
+            lr = 0.05 * min(step / 120, 1)
+            print(json.dumps({"step": step, "lr": lr, "loss": 3 / step, "acc": 0.5}), file=f)
+    out = tmp_path / "curve.svg"
+    assert draw(log, out).returncode == 0
+    root = ET.parse(out).getroot()
+    panels = {g.get("data-panel"): g for g in root.iter(f"{SVG}g") if g.get("class") == "panel"}
+    assert list(panels) == ["loss", "accuracy", "learning rate"]
+    assert [panels[p].get("data-scale") for p in panels] == ["log", "linear", "linear"]
+
+    def ticks(panel, axis):
+        marks = panels[panel].iter(f"{SVG}text")
+        return [float(t.get("data-value")) for t in marks if t.get("data-axis") == axis]
+
+    assert ticks("loss", "y") == [0.001, 0.01, 0.1, 1.0, 10.0]  # 3/400 to 3: powers of ten
+    assert ticks("loss", "x") == [0, 100, 200, 300, 400]  # round steps, the last one's too
+    assert ticks("learning rate", "y") == [0.0, 0.01, 0.02, 0.03, 0.04, 0.05]
+    assert ticks("accuracy", "y") == [0.45, 0.5, 0.55]  # one value: an axis around it
+    for panel in panels.values():  # the legend right of the plot area, clear of every curve
+        frame = next(r for r in panel.iter(f"{SVG}rect"))
+        right = float(frame.get("x")) + float(frame.get("width"))
+        xs = [float(c.get("cx")) for c in panel.iter(f"{SVG}circle")]
+        legend = [
+            float(line.get("x1"))
+            for line in panel.iter(f"{SVG}line")
+            if line.get("class") == "legend"
+        ]
+        assert legend and max(xs) <= right < min(legend), panel.get("data-panel")
