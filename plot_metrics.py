@@ -15,11 +15,14 @@ point carries its step and value (data-step, data-value), so a test, or a person
 them back.
 
 A log may hold a step twice: 04 appends, so after a resume the steps logged since its
-checkpoint come again. The last line for a step is the one kept, the resumed run's, as an
-uninterrupted run would have logged it. A line that is not JSON (torn by a crash, or not
-UTF-8) or has no integer step is skipped, and so is a value that is not a finite number
-(NaN and inf, which other tools write): the count of those is said. A series of more than
-MAX_POINTS points is drawn from every k-th (and its last), so a long run's picture stays small.
+checkpoint come again. Where the steps go back, a run started again there: the lines before
+it for that step and later ones are dropped (the killed attempt's, which a resume with
+another schedule may not reach again; or an earlier run's, when a new run from step 0 was
+appended to its log), so what is drawn is what an uninterrupted run would have logged. A
+line that is not JSON (torn by a crash, or not UTF-8) or has no integer step is skipped, and
+so is a value that is not a finite number (NaN and inf, which other tools write): the count
+of those is said. A series of more than MAX_POINTS points is drawn from every k-th (and its
+last), so a long run's picture stays small.
 """
 
 import argparse
@@ -45,9 +48,10 @@ MAX_POINTS = 2000  # drawn per series, at most
 
 
 def read_log(path):
-    """{field: [(step, value), ...]} from the log, by step, the last line for a step kept;
-    and how many values were not finite numbers."""
+    """{field: [(step, value), ...]} from the log, by step, the last run's lines kept where
+    the steps go back; and how many values were not finite numbers."""
     latest = {}  # (step, "train" or "val"): the values of the last line for it
+    newest = 0  # the step of the last line read
     names = [name for name, *_ in SERIES]
     with path.open("rb") as f:  # a line at a time: a long run's log is large
         for line in f:
@@ -58,6 +62,9 @@ def read_log(path):
             except (ValueError, KeyError, TypeError):  # torn, or not a line of ours
                 continue
             if type(step) is int:  # (not "2", 2.0 or True)
+                if step < newest:  # a run that starts again here: the lines after go
+                    latest = {key: kept for key, kept in latest.items() if key[0] < step}
+                newest = step
                 latest[step, kind] = {name: fields[name] for name in names if name in fields}
                 if kind == "val":  # its lr is the training line's, drawn once
                     latest[step, kind].pop("lr", None)

@@ -145,3 +145,22 @@ def test_the_picture_reads_as_a_person_reads_a_curve(tmp_path):
             if line.get("class") == "legend"
         ]
         assert legend and max(xs) <= right < min(legend), panel.get("data-panel")
+
+
+def test_where_the_steps_go_back_the_lines_after_belong_to_an_earlier_attempt(tmp_path):
+    # Issue #52: a resume with another global batch (a 26-step schedule) left the killed
+    # attempt's lines for steps 28 and 30, and the curve ran to step 30; a new run from step 0
+    # appended to an old log was drawn as one zig-zag with it.
+    log = tmp_path / "metrics.jsonl"
+    killed = [{"step": s, "lr": 0.1, "loss": 9.0, "acc": 0.0} for s in (10, 20, 28, 30)]
+    resumed = [{"step": s, "lr": 0.1, "loss": 1.0, "acc": 0.5} for s in (22, 24, 26)]
+    lines = killed + resumed  # the resume is from the step-20 checkpoint
+    log.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "curve.svg"
+    assert draw(log, out).returncode == 0
+    assert drawn_points(out)["loss"] == [(10, 9.0), (20, 9.0), (22, 1.0), (24, 1.0), (26, 1.0)]
+    again = [{"step": s, "lr": 0.1, "loss": 2.0, "acc": 0.2} for s in (1, 2)]  # a new run
+    with log.open("a") as f:
+        f.write("".join(json.dumps(line) + "\n" for line in again))
+    assert draw(log, out).returncode == 0
+    assert drawn_points(out)["loss"] == [(1, 2.0), (2, 2.0)]
