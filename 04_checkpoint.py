@@ -108,7 +108,7 @@ def main(args):
     )
     # DDP would copy rank 0's buffers (BatchNorm's running statistics, which only evaluation
     # reads) to every rank at each forward, a collective per step; the epoch loop does it
-    # once, before evaluating. (Set here: torch 2.15 deprecates the argument.)
+    # once, before evaluating. (Set on the wrapper: torch 2.15 deprecates DDP's argument.)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -148,7 +148,7 @@ def main(args):
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
-    # what train_one_epoch adds to each step: the forensics, and the saves and stops
+    # train_one_epoch's additions: the forensics, the saves and the stops
     hooks = argparse.Namespace(phases=phases, after_step=after_step)
     losses = []
     with phases:  # a collective that fails in here: its line says where every rank was
@@ -391,8 +391,8 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. (static_graph=True: the first must too, pytorch#143580;
-            # an extra sync is exact.)
+            # all-reduces their sum. (With static_graph=True, a knob below, every micro-batch
+            # of the first step syncs, pytorch#143580; an extra sync is exact.)
             sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
             with contextlib.nullcontext() if sync else model.no_sync():
                 hooks.phases.enter(state.step, "forward")
