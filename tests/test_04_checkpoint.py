@@ -168,6 +168,14 @@ def slurm_job(tmp_path, folder, script=SCRIPT):
     return job, env
 
 
+def slow_disk_copy(tmp_path, seconds) -> Path:
+    """04, but each checkpoint's write (write_atomic of a .pt) first takes seconds: a slow
+    disk."""
+    anchor = '    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")\n'
+    slow = f'    if path.suffix == ".pt":\n        time.sleep({seconds})  # a slow disk\n'
+    return inserted_copy(tmp_path / "slow_disk.py", SCRIPT, anchor, slow)
+
+
 def requeues(tmp_path) -> int:
     log = tmp_path / "requeued"
     return log.read_text().count("requeue 7") if log.exists() else 0
@@ -247,9 +255,7 @@ def test_the_batch_script_gives_the_stops_save_the_time_it_asked_for(tmp_path):
 
     honoured = "PET_" in Path(torchrun.__file__).with_name("argparse_util.py").read_text()
     honoured = honoured and "--shutdown-timeout" in Path(torchrun.__file__).read_text()
-    anchor = '    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")\n'
-    slow = '    if path.suffix == ".pt":\n        time.sleep(6)  # a slow disk\n'
-    script = inserted_copy(tmp_path / "slow_disk.py", SCRIPT, anchor, slow)
+    script = slow_disk_copy(tmp_path, 6)
     args = [*SMALL, "--save-every", 100, "--log-every", 1]
     for grace in (270, 2):
         where = tmp_path / str(grace)
@@ -463,9 +469,7 @@ def test_a_write_slower_than_the_timeout_is_named_by_the_rank_that_waited(tmp_pa
     # thread, rank 1 waits for rank 0's word) and rank 1 times out first. Its line says
     # where both were: in the save, not in training; rank 0 finishes the write (nothing
     # lost) and ends in one line too. It read "Timed out ... recv" and named nobody.
-    anchor = '    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")\n'
-    slow = '    if path.suffix == ".pt":\n        time.sleep(4)  # a slow disk\n'
-    script = inserted_copy(tmp_path / "slow_disk.py", SCRIPT, anchor, slow)
+    script = slow_disk_copy(tmp_path, 4)
     folder = tmp_path / "ckpt"
     args = [*SMALL, "--checkpoint-dir", folder, "--timeout", 2]
     r = forked(script, *args, nproc=2).failed()
