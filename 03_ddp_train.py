@@ -19,7 +19,7 @@ Your own model and data: replace build_model() and build_datasets(). A job that 
 survive restarts and preemption: 04_checkpoint.py is this file plus what it needs.
 """
 
-from __future__ import annotations  # (lets an old torch reach the version check)
+from __future__ import annotations  # (TrainState's types unread: an old torch gets to launch)
 
 import argparse
 import atexit
@@ -67,7 +67,7 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    torch.manual_seed(0)  # the same initial weights in any world size (DDP copies rank 0's)
+    torch.manual_seed(0)  # the same initial weights in any world size: runs compare
     model = build_model(args, num_classes).to(d.device, args.dtype)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
@@ -80,11 +80,12 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP would copy rank 0's buffers (BatchNorm's running statistics, which only evaluation
-    # reads) to every rank at each forward, a collective per step; the epoch loop does it
-    # once, before evaluating. (Set on the wrapper: torch 2.15 deprecates DDP's argument.)
+    # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
+    # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
+    # does it once, before evaluating. (Not DDP's argument: that also skips the copy at
+    # construction, and torch 2.13 deprecates it.)
     ddp_model.broadcast_buffers = False
-    torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
+    torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
@@ -110,13 +111,13 @@ def main(args):
 
     # ---- after training: the replica check, the saved model, the summary ----------------
     verified = verify_replicas_identical(model, d)
-    if args.save_model and d.rank == 0:  # the plain model: its keys have no "module."
-        buffer = io.BytesIO()
-        torch.save(model.state_dict(), buffer)
-        write_atomic(args.save_model, buffer.getvalue())
     if d.rank == 0:
+        if args.save_model:  # the plain model: its keys have no "module."
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            write_atomic(args.save_model, buffer.getvalue())
         # (the first epoch pays one-off costs: compiling, cuDNN's timing)
-        say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
+        say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
         say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
 
@@ -171,7 +172,10 @@ def load_image(path):
     """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
     a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
     try:
-        return PIL.Image.open(path).convert("RGB")
+        image = PIL.Image.open(path)
+        if image.mode == "I;16":  # 16-bit greyscale: to 8 bits, or RGB clips it to white
+            image = image.point(lambda value: value / 256)
+        return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
@@ -231,16 +235,15 @@ def train_one_epoch(model, loader, state, args, d):
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     batches = iter(loader)
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
-    for i in range(steps):
+    for _ in range(steps):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. (With static_graph=True, a knob below, every micro-batch
-            # of the first step syncs, pytorch#143580; an extra sync is exact.)
-            sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
+            # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
+            sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
@@ -312,7 +315,7 @@ def verify_replicas_identical(model, d):
 def write_atomic(path, data):
     """The whole file or nothing: written beside it, synced, renamed over it; an error names
     the file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name[:50]}.tmp{os.getpid()}")  # (a name has 255 bytes)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -541,8 +544,7 @@ def run_rank(index, main, args):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
+            handle(STOP_SIGNALS, signal.SIG_IGN)
     except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]

@@ -15,9 +15,10 @@ marked where its code is.
   every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
   (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
   every rank carries on from it, with the same data order, augmentations and random numbers:
-  the weights end bit for bit those of an uninterrupted run (GPUs too: cuDNN and cuBLAS are
-  made deterministic). A resume may change --epochs, the world size, --batch-size and
-  --accum-steps: the data position stays exact, the schedule is rebuilt.
+  on as many ranks, the weights end bit for bit those of an uninterrupted run (GPUs too:
+  cuDNN and cuBLAS are made deterministic). A resume may change the world size, --epochs,
+  --batch-size and --accum-steps: the data position stays exact (with the global batch
+  held, the weights agree to rounding), the one-cycle schedule is rebuilt.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
   --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
   DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
@@ -29,7 +30,7 @@ marked where its code is.
   steps since the checkpoint come again (plot_metrics.py keeps the last line for a step).
 """
 
-from __future__ import annotations  # (lets an old torch reach the version check)
+from __future__ import annotations  # (TrainState's types unread: an old torch gets to launch)
 
 import argparse
 import atexit
@@ -80,7 +81,7 @@ def main(args):
     torch.backends.cudnn.deterministic = True
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
-    preemption = Preemption(d.device)  # SIGTERM, SIGUSR1 or a lost launcher: save, stop
+    preemption = Preemption(d.device)  # SIGTERM or SIGUSR1: save, then stop
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
@@ -93,7 +94,7 @@ def main(args):
             f"each rank has {len(train_loader)} full batch(es) of {args.batch_size} images; "
             f"a step takes {args.accum_steps}"
         )
-    torch.manual_seed(0)  # the same initial weights in any world size (DDP copies rank 0's)
+    torch.manual_seed(0)  # the same initial weights in any world size: runs compare
     model = build_model(args, num_classes).to(d.device, args.dtype)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
@@ -106,11 +107,12 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP would copy rank 0's buffers (BatchNorm's running statistics, which only evaluation
-    # reads) to every rank at each forward, a collective per step; the epoch loop does it
-    # once, before evaluating. (Set on the wrapper: torch 2.15 deprecates DDP's argument.)
+    # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
+    # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
+    # does it once, before evaluating. (Not DDP's argument: that also skips the copy at
+    # construction, and torch 2.13 deprecates it.)
     ddp_model.broadcast_buffers = False
-    torch.manual_seed(d.rank)  # but each rank draws its own dropout masks
+    torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     total_steps = steps_per_epoch * args.epochs
     scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
@@ -178,15 +180,15 @@ def main(args):
         verified = verify_replicas_identical(model, d)
 
     # ---- after training: the saved model, the summary -------------------------------------
-    if args.save_model and d.rank == 0:  # the plain model: its keys have no "module."
-        buffer = io.BytesIO()
-        torch.save(model.state_dict(), buffer)
-        write_atomic(args.save_model, buffer.getvalue())
     if d.rank == 0:
+        if args.save_model:  # the plain model: its keys have no "module."
+            buffer = io.BytesIO()
+            torch.save(model.state_dict(), buffer)
+            write_atomic(args.save_model, buffer.getvalue())
         if not losses:  # its checkpoint was the run's last
             say(f"the run had finished at step {state.step}: nothing to train")
         else:  # (the first epoch pays one-off costs: compiling, cuDNN's timing)
-            say(f"summary: {state.step} steps, {speed:.1f} img/s (the last epoch's)")
+            say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
 
@@ -241,7 +243,10 @@ def load_image(path):
     """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
     a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
     try:
-        return PIL.Image.open(path).convert("RGB")
+        image = PIL.Image.open(path)
+        if image.mode == "I;16":  # 16-bit greyscale: to 8 bits, or RGB clips it to white
+            image = image.point(lambda value: value / 256)
+        return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
@@ -302,13 +307,11 @@ class SeededAugmentation(Dataset):
 
 
 class ResumableSampler(DistributedSampler):
-    """A DistributedSampler that can start part-way into an epoch. DistributedSampler orders
-    the dataset by seed + epoch, pads the order to a multiple of the world size with its own
-    first indices, and deals every world_size-th index to each rank. After s full steps of
-    b images on W ranks, that deal has used exactly the first s*b*W positions of the order,
-    whichever ranks took them. So a resume skips that many positions and deals the rest the
-    same way over the ranks it has now: nothing is loaded again, nothing is skipped. From
-    the top it deals exactly what DistributedSampler deals (a test checks)."""
+    """A DistributedSampler that can start part-way into an epoch. DistributedSampler deals
+    every world_size-th index of one shuffled order to each rank, so s full steps of b images
+    on W ranks use exactly the order's first s*b*W positions. A resume skips those and deals
+    the rest over the ranks it has now: nothing is loaded twice or skipped. From the top it
+    deals what DistributedSampler deals (padded with the order's head)."""
 
     def set_position(self, epoch, start):
         self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
@@ -351,24 +354,16 @@ class TrainState:
     position: int = 0  # images of this epoch's order consumed, over all ranks (the sampler's)
 
     def state_dict(self):
-        return {
-            "model": self.model.state_dict(),  # the plain model: keys without "module."
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "position": self.position,
-        }
+        """Each part's own state_dict() (the plain model's keys have no "module."), and the
+        numbers as they are: a field added above is saved and restored too."""
+        return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in vars(self).items()}
 
     def load_state_dict(self, saved):
-        self.model.load_state_dict(saved["model"])
-        self.optimizer.load_state_dict(saved["optimizer"])
-        self.scheduler.load_state_dict(saved["scheduler"])
-        self.scaler.load_state_dict(saved["scaler"])
-        self.epoch = saved["epoch"]
-        self.step = saved["step"]
-        self.position = saved["position"]
+        for k, v in vars(self).items():
+            if hasattr(v, "state_dict"):
+                v.load_state_dict(saved[k])
+            else:
+                setattr(self, k, saved[k])
 
 
 def train_one_epoch(model, loader, state, args, d, hooks):
@@ -391,9 +386,8 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum. (With static_graph=True, a knob below, every micro-batch
-            # of the first step syncs, pytorch#143580; an extra sync is exact.)
-            sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)
+            # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
+            sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 hooks.phases.enter(state.step, "forward")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -482,8 +476,8 @@ def verify_replicas_identical(model, d):
 
 # ---- preemption: a signal asks to stop, the ranks agree at a step boundary ---------------
 class Preemption:
-    """A stop asked for by SIGTERM, SIGUSR1 or the launcher's death. The handler only sets a
-    flag (no collective may run inside one); the ranks agree on it after every step."""
+    """A stop asked for by SIGTERM or SIGUSR1. The handler only sets a flag (no collective
+    may run inside one); the ranks agree on it after every step."""
 
     def __init__(self, device):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
@@ -492,21 +486,9 @@ class Preemption:
         # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
-        if "TORCHELASTIC_RUN_ID" in os.environ:  # started by torchrun (mp.spawn: see watch)
-            threading.Thread(target=self.watch, args=[os.getppid()], daemon=True).start()
 
     def ask(self, signum, frame):  # the signal handler
         self.asked = signum
-
-    def watch(self, parent):
-        """A torchrun killed outright (SIGKILL) cannot stop its workers: they stop themselves,
-        as on SIGHUP, within a second. (A nohup job outlives its shell; mp.spawn's ranks get
-        SIGINT when their parent dies.)"""
-        while os.getppid() == parent:
-            time.sleep(1)
-        if os.environ["RANK"] == "0":  # say why, once: no signal came
-            say(f"torchrun (pid {parent}) is gone: stopping as on SIGHUP")
-        self.asked = signal.SIGHUP
 
     def agreed(self):
         """Every rank, at the same step: the signal any rank was asked to stop by a step ago,
@@ -539,7 +521,6 @@ class Phases:
         self.timeout = timeout
         self.where = "start"
         self.phase = None
-        self.moves = 0  # phases entered: the watchdog's sign of progress
         self.done = False  # out of `with phases:`: no watchdog
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
@@ -553,7 +534,6 @@ class Phases:
         self.since = now
         self.phase = phase
         self.where = f"step {step}, {phase}"
-        self.moves += 1
 
     def each(self, batches, step, phase):
         """The batches, each entering the phase: a long evaluation is progress too."""
@@ -566,11 +546,11 @@ class Phases:
         first phase on, the watchdog. It counts its own seconds, not the clock's: a suspended
         job (scontrol suspend) is not stuck."""
         published = None
-        moves = still = 0  # phases entered when last seen; this thread's seconds since
+        since = still = 0  # the last phase's start when last seen; this thread's seconds since
         while not self.done:
-            still = still + 1 if self.moves == moves else 0
-            moves = self.moves
-            if moves and still > self.timeout + 5:  # stuck: its stacks, its line, its end
+            still = still + 1 if self.since == since else 0
+            since = self.since
+            if self.phase and still > self.timeout + 5:  # stuck: its stacks, its line, its end
                 faulthandler.dump_traceback(all_threads=True)
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
@@ -585,15 +565,14 @@ class Phases:
             time.sleep(1)
 
     def slowest(self):
-        """Every rank, at a progress line: every rank's [data, forward] seconds since the last
-        one, and "" or "  slowest: rank 2 (data +0.27s)". All ranks wait for the slowest in
-        the gradient all-reduce: the rank with the most seconds before it is named when they
-        are over twice the median rank's and 0.1 s more, with the phase of its larger excess.
-        (On GPUs the forward's host time is the time to queue its kernels.)"""
+        """Every rank, at a progress line: each rank's [data, forward] seconds since the last
+        one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited for in
+        the gradient all-reduce, named when its seconds are over twice the median's and 0.1 s
+        more. (On GPUs the forward's host time is the time to queue its kernels.)"""
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
         table[self.d.rank] = torch.tensor([self.seconds["data"], self.seconds["forward"]])
         self.seconds = {"data": 0.0, "forward": 0.0}
-        dist.all_reduce(table)  # each rank's row (the others are zeros here): all rows
+        dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
         rank = int(before.argmax())
         excess = before[rank] - before.median()
@@ -722,7 +701,7 @@ def newest_readable(folder, shape):
 def checkpoints_in(folder):
     """The checkpoints in folder, newest first: step-N.pt by the number N, of any length. A
     name that is not a number (a user's step-best.pt) is never loaded and never pruned."""
-    paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]
+    paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]  # N: [5:]
     return sorted(paths, key=lambda path: int(path.stem[5:]), reverse=True)  # "00000040": 40
 
 
@@ -821,8 +800,8 @@ def save(state, writer, args, d, shape):
 
 def cpu_copy(value):
     """A state_dict (dicts of dicts of tensors and numbers) with every tensor copied to the
-    CPU: the writer's own, which training cannot change under it (a copy even of a CPU
-    tensor). An optimizer that keeps lists of tensors (LBFGS) needs lists too: NOTES.md."""
+    CPU: the writer's own, which training cannot change under it (CPU tensors too). An
+    optimizer that keeps lists of tensors (LBFGS) needs lists: NOTES.md."""
     if isinstance(value, dict):
         return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
@@ -876,9 +855,8 @@ def prune(folder, keep):
 
 def attempt_store(timeout):
     """Where torchrun shares its agent's store with the workers (torch 2.15), a TCPStore of
-    this attempt's own, hosted by rank 0: the agent's outlives restarts with the dead group's
-    keys, and dies with the agent (NOTES.md). Rank 0 posts its port in the agent's store.
-    Otherwise None: init's own store, in rank 0's process."""
+    this attempt's own, hosted by rank 0: the agent's keeps the dead attempt's keys (NOTES.md).
+    Rank 0 posts its port in the agent's store. Otherwise None: init's own store."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
@@ -903,7 +881,7 @@ def attempt_store(timeout):
 def write_atomic(path, data):
     """The whole file or nothing: written beside it, synced, renamed over it; an error names
     the file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name[:50]}.tmp{os.getpid()}")  # (a name has 255 bytes)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -1155,8 +1133,7 @@ def run_rank(index, main, args):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
+            handle(STOP_SIGNALS, signal.SIG_IGN)
     except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]

@@ -148,7 +148,10 @@ def load_image(path):
     """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
     a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
     try:
-        return PIL.Image.open(path).convert("RGB")
+        image = PIL.Image.open(path)
+        if image.mode == "I;16":  # 16-bit greyscale: to 8 bits, or RGB clips it to white
+            image = image.point(lambda value: value / 256)
+        return image.convert("RGB")
     except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
@@ -272,7 +275,7 @@ def verify_against_one_process(model, dataset, args, d, metrics):
 def write_atomic(path, data):
     """The whole file or nothing: written beside it, synced, renamed over it; an error names
     the file."""
-    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    tmp = path.with_name(f".{path.name[:50]}.tmp{os.getpid()}")  # (a name has 255 bytes)
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -482,8 +485,7 @@ def run_rank(index, main, args):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
+            handle(STOP_SIGNALS, signal.SIG_IGN)
     except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]

@@ -466,8 +466,7 @@ def run_rank(index, main, args):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
-            for sig in STOP_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
+            handle(STOP_SIGNALS, signal.SIG_IGN)
     except KeyboardInterrupt as e:  # from stop(); a rank ending on its own error keeps it
         if not why:
             code = 128 + e.args[0]

@@ -530,6 +530,13 @@ UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
 DDP_ARGUMENT = "\n        # DDP's knobs, all left at their defaults"  # 03 lists them there
+STATIC_FIRST_STEP = [  # (03's line, NOTES.md's)
+    ("for _ in range(steps):", "for i in range(steps):"),
+    (
+        "sync = k == args.accum_steps - 1\n",
+        "sync = k == args.accum_steps - 1 or (model.static_graph and i == 0)\n",
+    ),
+]
 
 
 def edited_copy(folder: Path, *edits: str) -> Path:
@@ -537,7 +544,8 @@ def edited_copy(folder: Path, *edits: str) -> Path:
     layer that forward never calls (its parameters never get a gradient), COMPILE compiles
     the model before DDP (aot_eager: no C compiler needed), where 03's main marks the place,
     SYNC_BN takes the line 03's build_model() shows as a comment (GPUs only); any other edit
-    is an argument of DDP's (STATIC, say), where 03 lists them."""
+    is an argument of DDP's (STATIC, say), where 03 lists them. STATIC also takes NOTES.md's
+    condition for it: the first step's micro-batches all sync."""
     script = "03_ddp_train.py"
     source = (REPO / script).read_text()
     lines = {
@@ -555,6 +563,10 @@ def edited_copy(folder: Path, *edits: str) -> Path:
         anchor, line = lines.get(edit, (DDP_ARGUMENT, f"\n        {edit},"))
         assert source.count(anchor) == 1, anchor
         source = source.replace(anchor, line + anchor)
+    if STATIC in edits:  # and NOTES.md's lines for it ("static_graph with no_sync")
+        for anchor, line in STATIC_FIRST_STEP:
+            assert source.count(anchor) == 1, anchor
+            source = source.replace(anchor, line)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / script).write_text(source)
     return folder / script

@@ -399,6 +399,33 @@ def test_a_save_that_fails_part_way_keeps_the_old_file_and_names_the_new_one(tmp
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt"]
 
 
+def test_an_output_with_the_longest_name_a_folder_takes_is_written(tmp_path):
+    # A name of 244-255 bytes passed --save-model's check and failed after training: the
+    # temporary file beside it, ".NAME.tmpPID", was too long. Its name now takes 50 characters.
+    script = load_script(SCRIPT)
+    longest = tmp_path / ("m" * 252 + ".pt")
+    script.write_atomic(longest, b"weights")
+    assert longest.read_bytes() == b"weights"
+    assert [p.name for p in tmp_path.iterdir()] == [longest.name]
+
+
+def test_16_bit_greyscale_images_are_scaled_not_clipped_to_white(tmp_path):
+    # PIL's convert("RGB") clips a 16-bit image's values to 255: a 16-bit copy of an 8-bit
+    # dataset trained on white (5% accuracy, where the 8-bit one reached 32%). Now each pixel
+    # is its 8-bit value, as the 8-bit copy's.
+    from PIL import Image
+
+    ramp = np.arange(64 * 64, dtype=np.uint16).reshape(64, 64) * 16  # 0 .. 65520
+    Image.fromarray(ramp).save(tmp_path / "16.png")
+    Image.fromarray((ramp // 256).astype(np.uint8)).save(tmp_path / "8.png")
+    script = load_script(SCRIPT)
+    assert Image.open(tmp_path / "16.png").mode == "I;16"
+    wide = np.asarray(script.load_image(tmp_path / "16.png"), dtype=int)
+    narrow = np.asarray(script.load_image(tmp_path / "8.png"), dtype=int)
+    assert wide.shape == narrow.shape == (64, 64, 3)
+    assert np.abs(wide - narrow).max() <= 1 and narrow.max() == 255 and wide.mean() < 128
+
+
 def test_an_unused_layer_fails_and_torch_distributed_debug_names_it(tmp_path):
     # The most common DDP error, in a copy of 03 with a layer forward never calls.
     # TORCH_DISTRIBUTED_DEBUG=INFO adds the parameters' names; find_unused_parameters=True

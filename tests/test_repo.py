@@ -30,7 +30,7 @@ BEGIN = "# ==== shared plumbing: begin"
 END = "# ==== shared plumbing: end"
 # Issue #49's budgets, where they hold. The block, 03 and 04 hold what they reached
 # (2026-11-28); the issue asks 850, 3,000 and 03 + 2,900: lower these as code leaves.
-MAX_SHARED_TOKENS = 900  # (#49: 850)
+MAX_SHARED_TOKENS = 895  # (#49: 850)
 MAX_SHARED_WORDS = 500  # prose: words in comments and docstrings
 MAX_TOKENS = {
     "01_init_methods.py": 2300,
@@ -39,10 +39,12 @@ MAX_TOKENS = {
     "05_eval_gather.py": 3000,
     "06_join_uneven.py": 2700,
 }
-EXTRA_FOR_04 = 3600  # 04 is 03 plus checkpoints, stopping, forensics and metrics (#49: 2,900;
+EXTRA_FOR_04 = 3460  # 04 is 03 plus checkpoints, stopping, forensics and metrics (#49: 2,900;
 # #50 added 250: the asynchronous stop agreement and its GPU path, ranks as spans, the wait
 # that keeps rank 0's store up until every rank has read it; #52 added 50: a watchdog that
-# counts its own seconds, prints a line and ends its workers, and Gloo's "pair closure")
+# counts its own seconds, prints a line and ends its workers, and Gloo's "pair closure";
+# session 21 took 140 out: the killed-launcher watch to NOTES.md, TrainState's state_dict as
+# a loop over its fields)
 # prose words per 100 code tokens, at most (nanoGPT's train.py writes 48)
 MAX_WORDS_PER_100 = {"03_ddp_train.py": 50, "04_checkpoint.py": 55}
 DEFAULT_WORDS_PER_100 = 60
