@@ -1,10 +1,10 @@
 r"""plot_metrics.py: the learning curve of a --metrics log, as an SVG, with the standard library.
 
 Run
-  torchrun --standalone --nproc_per_node 2 03_ddp_train.py --metrics metrics.jsonl
+  torchrun --standalone --nproc_per_node 2 04_checkpoint.py --metrics metrics.jsonl
   python plot_metrics.py metrics.jsonl --out curve.svg
 
-03 and 04 append one JSON line per logging step ({"step", "lr", "loss", "acc",
+04_checkpoint.py appends one JSON line per logging step ({"step", "lr", "loss", "acc",
 "rank_seconds"}: that step's loss and accuracy over every rank's images, and each rank's
 [data, forward] seconds since the last line) and one per epoch ({"step", "lr",
 "val_loss", "val_acc", "img_s"}). Three panels, against the global step: loss (training,

@@ -333,11 +333,12 @@ def readme_commands() -> list:
 
 
 def run_block_commands() -> list:
+    """The commands in each script's Run block, and in plot_metrics.py's (04's, there)."""
     found = []
-    for script in SCRIPTS:
+    for script in [*SCRIPTS, REPO / "plot_metrics.py"]:
         doc = ast.get_docstring(ast.parse(script.read_text()))
         run_block = next(p for p in doc.split("\n\n") if p.startswith("Run\n"))
-        found += [c for c in commands(run_block) if c[1] == script.name]
+        found += [c for c in commands(run_block) if c[1] in (script.name, "04_checkpoint.py")]
     return found
 
 
