@@ -79,6 +79,8 @@ def main(args):
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
+    # NCCL's flight recorder (torch >= 2.11): its dumps after a timeout, beside the checkpoints
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
     preemption = Preemption(d.device)  # SIGTERM or SIGUSR1: save, then stop
@@ -510,11 +512,10 @@ class Preemption:
 
 # ---- forensics: where each rank is, and which rank the others waited for ---------------
 class Phases:
-    """This rank's phase ("step 5, forward"), and its seconds in data loading and in forward
-    since the last progress line: noted in memory, no I/O per micro-batch. A thread puts the
-    phase in the job's store once a second when it changed, and watches: a rank stuck in one
-    phase for --timeout + 5 s prints its stacks and a line, and exits. Within `with phases:`,
-    a failed collective's line ends with where every rank was."""
+    """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
+    kept in memory. A thread puts the phase in the job's store once a second when it changed,
+    and ends a rank stuck in one phase for --timeout + 5 s, with its stacks and a line.
+    Within `with phases:`, a failed collective's line says where every rank was."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -671,9 +672,8 @@ def lock(folder):
 
 def newest_readable(folder, shape):
     """Rank 0: (path, contents) of the newest checkpoint that verifies, or None; it must fit
-    shape. Newer ones that do not verify are renamed *.unreadable, kept for a person to look
-    at; if none does but one was finished (it has its sha256), the job stops rather than
-    start over."""
+    shape. Newer ones that do not are renamed *.unreadable, for a person to look at; if none
+    does but one was finished (it has its sha256), the job stops rather than start over."""
     newest = None
     unreadable = {}  # path: the error that names it and says why
     for path in checkpoints_in(folder):
@@ -694,7 +694,11 @@ def newest_readable(folder, shape):
     if newest is None:
         say(f"no checkpoint in {folder}: starting from step 0")
         return None
-    check_settings(saved["args"], newest, shape)
+    there = saved["args"]  # a resume must share shape, settings(), with its checkpoint
+    differ = [f"{k} {there.get(k)} there, {v} here" for k, v in shape.items() if there.get(k) != v]
+    if differ:
+        same = "Resume with the same ones or use another --checkpoint-dir"
+        raise SetupError(f"{newest} was written with other settings: {'; '.join(differ)}. {same}")
     return newest, saved
 
 
@@ -757,14 +761,6 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
         say(f"resuming from {path}: {done}, global step {state.step}")
     if d.rank == 0 and was != now:
         say(f"world size, global batch, steps: {was} -> {now}")
-
-
-def check_settings(saved, path, shape):
-    """Rank 0: a resume must share shape, settings(), with its checkpoint."""
-    differ = [f"{k} {saved.get(k)} there, {v} here" for k, v in shape.items() if saved.get(k) != v]
-    if differ:
-        same = "Resume with the same ones or use another --checkpoint-dir"
-        raise SetupError(f"{path} was written with other settings: {'; '.join(differ)}. {same}")
 
 
 def settings(args, train_set):

@@ -149,7 +149,7 @@ def slurm_job(tmp_path, folder, script=SCRIPT):
     this test's."""
     readme = (REPO / "README.md").read_text()
     text = next(b for b in re.findall(r"```bash\n(.*?)```", readme, re.S) if "#SBATCH" in b)
-    text = text.replace("/shared/checkpoints/$SLURM_JOB_NAME", str(folder))
+    text = text.replace("/shared/checkpoints/$SLURM_JOB_ID", str(folder))
     text = text.replace(":29400", f":{free_port()}").replace(SCRIPT, str(REPO / script))
     stubs = tmp_path / "bin"
     stubs.mkdir(exist_ok=True)
@@ -163,7 +163,7 @@ def slurm_job(tmp_path, folder, script=SCRIPT):
         (stubs / name).chmod(0o755)
     job = tmp_path / f"{Path(script).stem}.sh"
     job.write_text(text)
-    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_NAME": "job", "SLURM_JOB_ID": "7"}
+    env = {"PATH": f"{stubs}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
     env |= {"SLURM_NNODES": "1", "SLURM_JOB_NODELIST": "node0"}  # a CPU partition: no GPUs
     return job, env
 
@@ -678,6 +678,33 @@ def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
         folder.chmod(0o755)
     assert re.search(rf"\[rank 0\] error: cannot write checkpoints in {folder}: ", r.stderr), r
     assert "step " not in r.stdout
+
+
+def test_the_flight_recorders_dumps_go_beside_the_checkpoints_unless_told(monkeypatch):
+    # NCCL's flight recorder writes each rank's record after a timeout, by default to a
+    # folder a container loses; 04 points it at the checkpoint folder before it joins the
+    # group (in-process: main stops at attempt_store, the first thing after)
+    script = load_script(SCRIPT)
+
+    class Joining(Exception):
+        pass
+
+    def attempt_store(timeout):
+        raise Joining
+
+    monkeypatch.setattr(script, "attempt_store", attempt_store)
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "")  # (so that the end restores it)
+    monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (main sets them: undone after)
+    monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
+    args = script.build_parser().parse_args(["--checkpoint-dir", "/shared/ckpt"])
+    with pytest.raises(Joining):
+        script.main(args)
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/shared/ckpt/nccl_trace_rank_"
+    monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/mine/trace_")  # the user's, kept
+    with pytest.raises(Joining):
+        script.main(args)
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/mine/trace_"
 
 
 def test_a_compiled_models_state_dict_keeps_plain_keys():
