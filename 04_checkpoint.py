@@ -70,9 +70,9 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 # joins the process group and returns d (rank, world_size, device). Read it last, or not
 # at all.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
-# the options a resume must share with the run it resumes (settings() adds what --data holds;
-# --epochs, --batch-size and --accum-steps may change: resume() rebuilds the schedule)
-SHAPES_THE_RUN = "arch norm train_size image_size lr amp dtype".split()
+# the options a resume must share with the run it resumes, besides the data (--epochs,
+# --batch-size and --accum-steps may change); your own model: drop those it ignores
+SHAPES_THE_RUN = "arch norm image_size lr amp dtype".split()
 
 
 def main(args):
@@ -87,7 +87,7 @@ def main(args):
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
-    shape = settings(args, train_set) if d.rank == 0 else None
+    shape = settings(args, train_set)
     checkpoint = choose_checkpoint(args.checkpoint_dir, shape, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
@@ -135,8 +135,7 @@ def main(args):
         """Every rank, after each step and at each epoch's end: --simulate-failure; a save
         every --save-every steps and at each epoch's end (due); a stop if any rank was asked,
         saved first. The epoch's last step (last) leaves both to the epoch's end."""
-        last_rank = d.rank == d.world_size - 1
-        if state.step == args.simulate_failure and last_rank and not checkpoint:
+        if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
@@ -165,8 +164,11 @@ def main(args):
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-            # cut short once this rank is asked to stop: a scheduler's grace is often 30 s
-            val_batches = itertools.takewhile(lambda batch: not preemption.asked, val_loader)
+            # cut short by a stop (a scheduler's grace is often 30 s), but for the last epoch:
+            # the run's result
+            val_batches = itertools.takewhile(
+                lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
+            )
             val_batches = phases.each(val_batches, state.step, "evaluation")
             val_loss, val_acc, val_count = evaluate(model, val_batches, args, d)
             if d.rank == 0:
@@ -214,6 +216,17 @@ def build_datasets(args):
     if train_set.classes != val_set.classes:
         raise SetupError(f"--data {args.data}: train and val hold different class folders")
     return train_set, val_set, len(train_set.classes)
+
+
+def data_identity(args, train_set):
+    """What the training data is, not where it lies, for a resume to compare: an ImageFolder's
+    number of images, classes and a sha256 of their names (no file opened while the others
+    wait). Your own data: what identifies it (a version, a manifest's sha256)."""
+    if not args.data:  # synthetic, made from --train-size
+        return f"{args.train_size} synthetic"
+    images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
+    digest = hashlib.sha256(str(images).encode()).hexdigest()
+    return f"{len(images)} in classes {train_set.classes} (sha256 {digest[:8]})"
 
 
 def synthetic_images(count, size, split):
@@ -284,9 +297,8 @@ def make_loaders(args, d, train_set, val_set):
 
 
 def quiet_worker(worker_id):
-    """A DataLoader worker ignores the signals that stop a job: SLURM and `timeout` signal the
-    whole process group, and a dead worker would end its rank before it saved. Workers end
-    with their rank."""
+    """A DataLoader worker ignores the signals that stop a job (SLURM and `timeout` signal the
+    whole process group): a dead worker would end its rank before it saved."""
     for sig in STOP_SIGNALS:  # (the shared plumbing's, at the bottom)
         signal.signal(sig, signal.SIG_IGN)
 
@@ -455,8 +467,8 @@ def log_metrics(args, state, **fields):
     """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
     next step's) and the fields. plot_metrics.py draws the learning curve from it."""
     if args.metrics:
-        lr = state.scheduler.get_last_lr()[0]
         with open(args.metrics, "a") as f:
+            lr = state.scheduler.get_last_lr()[0]  # the next step's
             print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
 
 
@@ -753,27 +765,22 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
-    # a new world size that keeps the global batch (--batch-size or --accum-steps changed to
-    # match) keeps the training
+    # (another world size with the global batch held trains the same)
     was = (saved["world_size"], saved["global_batch"], planned)
     now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:
         say(f"resuming from {path}: {done}, global step {state.step}")
-    if d.rank == 0 and was != now:
-        say(f"world size, global batch, steps: {was} -> {now}")
+        if was != now:
+            say(
+                f"world size, global batch, steps: {was} -> {now} "
+                "(global batch = world size x --batch-size x --accum-steps)"
+            )
 
 
 def settings(args, train_set):
-    """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN and, with --data,
-    what the training images are, not where: their number, their classes, and a sha256 of
-    their names (class folder included), from ImageFolder's list: no file is opened or
-    stat'ed while the others wait."""
+    """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN, and the data."""
     shape = {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
-    if args.data:  # (ImageFolder's samples; replace with what identifies your data)
-        del shape["--train-size"]
-        images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
-        digest = hashlib.sha256(str(images).encode()).hexdigest()
-        shape["images"] = f"{len(images)} in classes {train_set.classes} (sha256 {digest[:8]})"
+    shape["images"] = data_identity(args, train_set)
     return shape
 
 

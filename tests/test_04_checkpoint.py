@@ -303,6 +303,22 @@ def test_a_stop_in_validation_under_timeout_ends_in_seconds_with_its_save(tmp_pa
     assert "killed by signal" not in r.stderr and (tmp_path / "preempted").exists()
 
 
+def test_a_stop_in_the_last_validation_lets_it_finish(tmp_path):
+    # No stop follows the last epoch: a SIGTERM in its validation cut it short (192 of 8,192
+    # images), logged nothing, and a rerun said the run had finished. Now the last epoch's
+    # validation runs to its end and is logged, and the job ends as finished.
+    anchor = "            val_batches = itertools.takewhile(\n"
+    signal_now = "            os.kill(os.getpid(), signal.SIGTERM)  # the scheduler's warning\n"
+    script = inserted_copy(tmp_path / "stopped.py", SCRIPT, anchor, signal_now)
+    metrics = tmp_path / "metrics.jsonl"
+    args = [*SMALL, "--epochs", 1, "--val-size", 64, "--checkpoint-dir", tmp_path / "ckpt"]
+    r = forked(script, *args, "--metrics", metrics).ok()
+    assert "val loss" in r.stdout and " on 64 images" in r.stdout, r
+    assert "stopping on" not in r.stdout and VERIFIED.search(r.stdout), r
+    [last] = [json.loads(line) for line in metrics.read_text().splitlines() if "val_acc" in line]
+    assert last["step"] == 8, last
+
+
 @pytest.mark.hangs  # about 12 s, 8 of them suspended
 def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
     # scontrol suspend, gang scheduling and Ctrl-Z/fg stop a job's processes (SIGSTOP) and
@@ -623,9 +639,9 @@ def test_a_checkpoint_from_other_settings_or_another_model_is_refused(tmp_path, 
     args = [*SMALL, "--checkpoint-dir", tmp_path]
     r = forked(SCRIPT, *args, "--lr", 0.1, "--train-size", 96).failed()
     assert (
-        f"error: {tmp_path}/step-00000016.pt was written with other settings: --train-size 128 "
-        f"there, 96 here; --lr 0.05 there, 0.1 here. Resume with the same ones or use another "
-        f"--checkpoint-dir"
+        f"error: {tmp_path}/step-00000016.pt was written with other settings: --lr 0.05 there, "
+        f"0.1 here; images 128 synthetic there, 96 synthetic here. Resume with the same ones or "
+        f"use another --checkpoint-dir"
     ) in r.stderr
     # a setting that shapes the model: GroupNorm for BatchNorm
     r = forked(SCRIPT, *args, "--norm", "group").failed()
