@@ -87,7 +87,7 @@ def main(args):
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
-    shape = settings(args, train_set)
+    shape = settings(args) | {"images": data_identity(args, train_set)}
     checkpoint = choose_checkpoint(args.checkpoint_dir, shape, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
@@ -646,7 +646,7 @@ def spans(ranks):
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
 def choose_checkpoint(folder, shape, d):
     """Every rank, before any work: rank 0 locks the folder and reads the newest checkpoint
-    that verifies (it must fit shape, rank 0's settings()), and one broadcast gives every
+    that verifies (it must fit shape: the options and the data), and one broadcast gives every
     rank its path and contents (None: start from step 0) or why the job cannot go on: one
     read from storage, not one per rank."""
     choice = [None, None]  # (path, the checkpoint) to resume from; rank 0's error
@@ -706,7 +706,7 @@ def newest_readable(folder, shape):
     if newest is None:
         say(f"no checkpoint in {folder}: starting from step 0")
         return None
-    there = saved["args"]  # a resume must share shape, settings(), with its checkpoint
+    there = saved["args"]  # a resume must share shape with its checkpoint
     differ = [f"{k} {there.get(k)} there, {v} here" for k, v in shape.items() if there.get(k) != v]
     if differ:
         same = "Resume with the same ones or use another --checkpoint-dir"
@@ -777,11 +777,9 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
             )
 
 
-def settings(args, train_set):
-    """Rank 0: what shapes the run, as text: the options in SHAPES_THE_RUN, and the data."""
-    shape = {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
-    shape["images"] = data_identity(args, train_set)
-    return shape
+def settings(args):
+    """The options in SHAPES_THE_RUN, as text: {"--lr": "0.05", ...}."""
+    return {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
 
 
 def save(state, writer, args, d, shape):
