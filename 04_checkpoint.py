@@ -76,6 +76,7 @@ SHAPES_THE_RUN = "arch norm image_size lr amp dtype".split()
 
 
 def main(args):
+    preemption = Preemption()  # SIGTERM or SIGUSR1, from now on: a save, then a stop
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
@@ -83,7 +84,6 @@ def main(args):
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
-    preemption = Preemption(d.device)  # SIGTERM or SIGUSR1: save, then stop
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # what a resume must share with the run it resumes; rank 0 checks it and saves it
@@ -140,7 +140,7 @@ def main(args):
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
             return
-        stop = preemption.agreed() if state.epoch < args.epochs else 0  # (no wait: a step late)
+        stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0  # (a step late)
         if stop or due or state.step % args.save_every == 0:
             phases.enter(state.step, "save")
             save(state, writer, args, d, shape)
@@ -493,9 +493,8 @@ class Preemption:
     """A stop asked for by SIGTERM or SIGUSR1. The handler only sets a flag (no collective
     may run inside one); the ranks agree on it after every step."""
 
-    def __init__(self, device):
+    def __init__(self):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
-        self.device = device
         self.sent = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
         # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
@@ -504,11 +503,11 @@ class Preemption:
     def ask(self, signum, frame):  # the signal handler
         self.asked = signum
 
-    def agreed(self):
+    def agreed(self, device):
         """Every rank, at the same step: the signal any rank was asked to stop by a step ago,
         or 0. The flags travel in an all-reduce that nobody waits for, read a step later: no
         host waits here for another, nor for its GPU. (So a stop comes a step later.)"""
-        flag = torch.full([1], self.asked, device=self.device)  # (no copy, no wait)
+        flag = torch.full([1], self.asked, device=device)  # (no copy, no wait)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
         if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host

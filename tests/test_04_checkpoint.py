@@ -303,6 +303,21 @@ def test_a_stop_in_validation_under_timeout_ends_in_seconds_with_its_save(tmp_pa
     assert "killed by signal" not in r.stderr and (tmp_path / "preempted").exists()
 
 
+def test_a_stop_before_the_group_is_joined_is_a_preemption_too(tmp_path):
+    # A scheduler's SIGTERM in the first seconds (joining the group, reading the data or the
+    # checkpoint) ended the rank at once, exit 143 and no mark: the batch script did not
+    # requeue it. main() takes the signals first now: the job stops after its first agreed
+    # step, saved and marked.
+    anchor = "    preemption = Preemption()"
+    signal_now = "\n    os.kill(os.getpid(), signal.SIGTERM)  # before setup()"
+    script = inserted_copy(tmp_path / "early.py", SCRIPT, anchor, signal_now, after=True)
+    r = forked(script, *SMALL, "--checkpoint-dir", tmp_path / "ckpt")
+    assert r.returncode == 128 + signal.SIGTERM, r
+    assert "saved step-00000002.pt\nstopping on SIGTERM at step 2: run the" in r.stdout, r
+    assert r.stderr == "[rank 0] stopped by SIGTERM\n", r
+    assert (tmp_path / "ckpt/preempted").exists()
+
+
 def test_a_stop_in_the_last_validation_lets_it_finish(tmp_path):
     # No stop follows the last epoch: a SIGTERM in its validation cut it short (192 of 8,192
     # images), logged nothing, and a rerun said the run had finished. Now the last epoch's
@@ -709,6 +724,7 @@ def test_the_flight_recorders_dumps_go_beside_the_checkpoints_unless_told(monkey
         raise Joining
 
     monkeypatch.setattr(script, "attempt_store", attempt_store)
+    monkeypatch.setattr(script, "Preemption", lambda: None)  # (pytest keeps its SIGTERM)
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "")  # (so that the end restores it)
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (main sets them: undone after)
