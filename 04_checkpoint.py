@@ -45,6 +45,7 @@ import itertools
 import json
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -116,13 +117,14 @@ def main(args):
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
-    total_steps = steps_per_epoch * args.epochs
-    scheduler = torch.optim.lr_scheduler.OneCycleLR(optimizer, args.lr, total_steps)
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(
+        optimizer, args.lr, steps_per_epoch * args.epochs
+    )
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     state = TrainState(model, optimizer, scheduler, scaler)
     if checkpoint:  # every rank loads the one rank 0 chose
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-    writer = Writer()  # rank 0 writes checkpoints on a thread of their own
+    writer = Writer()  # rank 0 writes checkpoints on a thread
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
@@ -1126,10 +1128,10 @@ def run_rank(index, main, args):
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc") or say
-            # "... caused pair closure": a collective failed (a peer is gone, or it timed
-            # out), and the text says so. Anything else is a bug: keep its traceback.
-            if "gloo/" not in why and "pair closure" not in why:
+            # Gloo's errors name its files (".../gloo/transport/tcp/pair.cc") or say "...
+            # caused pair closure", torch 2.15's NCCL's end "NCCL Last Error": a collective
+            # failed (a peer is gone, or timed out). Anything else is a bug: keep its traceback.
+            if not re.search("gloo/|pair closure|NCCL Last Error", why):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
@@ -1139,8 +1141,8 @@ def run_rank(index, main, args):
             code = 128 + e.args[0]
             why = f"stopped by {signal.Signals(e.args[0]).name}"
     # out of the except blocks, the exception's frames are freed (DataLoader workers end)
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
+    if why:  # one write, one line
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {' '.join(why.split())}\n")
     atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
     os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 

@@ -43,6 +43,7 @@ import concurrent.futures
 import datetime
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -459,10 +460,10 @@ def run_rank(index, main, args):
             why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its source files (".../gloo/transport/tcp/pair.cc") or say
-            # "... caused pair closure": a collective failed (a peer is gone, or it timed
-            # out), and the text says so. Anything else is a bug: keep its traceback.
-            if "gloo/" not in why and "pair closure" not in why:
+            # Gloo's errors name its files (".../gloo/transport/tcp/pair.cc") or say "...
+            # caused pair closure", torch 2.15's NCCL's end "NCCL Last Error": a collective
+            # failed (a peer is gone, or timed out). Anything else is a bug: keep its traceback.
+            if not re.search("gloo/|pair closure|NCCL Last Error", why):
                 traceback.print_exc()
         finally:
             # ending already: a signal now would garble the line
@@ -472,8 +473,8 @@ def run_rank(index, main, args):
             code = 128 + e.args[0]
             why = f"stopped by {signal.Signals(e.args[0]).name}"
     # out of the except blocks, the exception's frames are freed (DataLoader workers end)
-    if why:
-        sys.stderr.write(f"[rank {os.environ['RANK']}] {why}\n")  # one write: one whole line
+    if why:  # one write, one line
+        sys.stderr.write(f"[rank {os.environ['RANK']}] {' '.join(why.split())}\n")
     atexit._run_exitfuncs()  # exit hooks (a logger's), which os._exit skips
     os._exit(code)  # no interpreter shutdown, no destroy_process_group: NOTES.md says why
 
