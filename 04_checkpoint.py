@@ -18,16 +18,16 @@ marked where its code is.
   on as many ranks, the weights end bit for bit those of an uninterrupted run (GPUs too:
   cuDNN and cuBLAS are made deterministic). A resume may change the world size, --epochs,
   --batch-size and --accum-steps: the data position stays exact (with the global batch
-  held, the weights agree to rounding), the one-cycle schedule is rebuilt.
+  held and --norm group, the weights agree to rounding), the schedule is rebuilt. When a
+  rank dies under torchrun --max-restarts, all restart and resume on their own.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
   --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
   DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
-  Under torchrun --max-restarts the ranks restart and resume on their own.
-- Forensics: a failed collective's line says where every rank was; a rank stuck for
-  --timeout + 5 s dumps its stack and exits; a progress line names the rank the others
-  waited for.
+- Forensics: a failed collective's line says where every rank was (Gloo; NCCL's watchdog
+  ends the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and
+  exits; a progress line names the rank the others waited for.
 - Metrics: --metrics PATH, a JSON line per progress line and per epoch; after a resume the
-  steps since the checkpoint come again (plot_metrics.py keeps the last line for a step).
+  steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
 """
 
 from __future__ import annotations  # (TrainState's types unread: an old torch gets to launch)
@@ -73,23 +73,24 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 # the options a resume must share with the run it resumes, besides the data (--epochs,
 # --batch-size and --accum-steps may change); your own model: drop those it ignores
-SHAPES_THE_RUN = "arch norm image_size lr amp dtype".split()
+SAME_ON_RESUME = "arch norm image_size lr amp dtype".split()
 
 
 def main(args):
-    preemption = Preemption()  # SIGTERM or SIGUSR1, from now on: a save, then a stop
+    preemption = Preemption()  # SIGTERM or SIGUSR1 from here on: a preemption
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
-    # NCCL's flight recorder (torch >= 2.11): its dumps after a timeout, beside the checkpoints
+    # NCCL's flight recorder (on by default from torch 2.11): its dumps after a timeout go
+    # beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
     store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
     d = setup(args.timeout, store=store)
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
-    # what a resume must share with the run it resumes; rank 0 checks it and saves it
-    shape = settings(args) | {"images": data_identity(args, train_set)}
-    checkpoint = choose_checkpoint(args.checkpoint_dir, shape, d)  # rank 0 locks, picks
+    # rank 0 checks it against the checkpoint it resumes, and saves it in each one
+    identity = settings(args) | {"images": data_identity(args, train_set)}
+    checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
     if not steps_per_epoch:  # too few images for one step on each rank
@@ -122,9 +123,9 @@ def main(args):
     )
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     state = TrainState(model, optimizer, scheduler, scaler)
-    if checkpoint:  # every rank loads the one rank 0 chose
+    if checkpoint:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-    writer = Writer()  # rank 0 writes checkpoints on a thread
+    writer = Writer()
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
@@ -136,24 +137,24 @@ def main(args):
     def after_step(last, due=False):
         """Every rank, after each step and at each epoch's end: --simulate-failure; a save
         every --save-every steps and at each epoch's end (due); a stop if any rank was asked,
-        saved first. The epoch's last step (last) leaves both to the epoch's end."""
+        saved first. The epoch's last step (last) leaves both to the epoch's end, after its
+        validation; after the last epoch, nothing is left to stop."""
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         if last:
             return
-        stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0  # (a step late)
+        stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0
         if stop or due or state.step % args.save_every == 0:
             phases.enter(state.step, "save")
-            save(state, writer, args, d, shape)
+            save(state, writer, args, d, identity)
         if stop:
             writer.finish()  # the save is on disk before this rank ends
             if d.rank == 0:
-                (args.checkpoint_dir / "preempted").touch()  # after the save: it is on disk
+                (args.checkpoint_dir / "preempted").touch()  # after the save
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
-    # train_one_epoch's additions: the forensics, the saves and the stops
     hooks = argparse.Namespace(phases=phases, after_step=after_step)
     losses = []
     with phases:  # a collective that fails in here: its line says where every rank was
@@ -166,8 +167,8 @@ def main(args):
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-            # cut short by a stop (a scheduler's grace is often 30 s), but for the last epoch:
-            # the run's result
+            # cut short by a stop (a scheduler's grace is often 30 s; ranks may stop at other
+            # batches: evaluate's one all-reduce does not mind), but for the last epoch's
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
@@ -176,11 +177,11 @@ def main(args):
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
                 say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
-                if val_count == len(val_set):  # not cut short by a stop: a resume will not redo it
+                if val_count == len(val_set):  # not cut short (nor redone after a resume)
                     log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
             state.epoch += 1
             state.position = 0
-            after_step(last=False, due=True)  # every rank: a save (and a stop, if asked)
+            after_step(last=False, due=True)  # every rank
         writer.finish()  # every rank: the last write is on disk (or all stop on its error)
         phases.enter(state.step, "verification")
         verified = verify_replicas_identical(model, d)
@@ -370,8 +371,8 @@ class TrainState:
     position: int = 0  # images of this epoch's order consumed, over all ranks (the sampler's)
 
     def state_dict(self):
-        """Each part's own state_dict() (the plain model's keys have no "module."), and the
-        numbers as they are: a field added above is saved and restored too."""
+        """Each part's own state_dict(), and the numbers as they are: a field added above is
+        saved and restored too."""
         return {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in vars(self).items()}
 
     def load_state_dict(self, saved):
@@ -393,11 +394,11 @@ def train_one_epoch(model, loader, state, args, d, hooks):
     steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
     for i in range(steps):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
-        # this step's random numbers (dropout) from the rank and the step: a resumed run
-        # draws what the interrupted one would have, with no random state to save
+        # this step's random numbers (dropout) from the rank and the step, not main's seed:
+        # a resumed run draws what the interrupted one would have, with no state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
         for k in range(args.accum_steps):
-            hooks.phases.enter(state.step, "data")  # (memory only, no I/O)
+            hooks.phases.enter(state.step, "data")  # (noted in memory: no I/O)
             images, labels = next(batches)
             images = images.to(d.device, args.dtype, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
@@ -436,7 +437,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
                     f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
                 log_metrics(args, state, loss=step_loss, acc=step_acc, rank_seconds=seconds)
-        hooks.after_step(last=i == steps - 1)  # every rank: a save when due, a stop if asked
+        hooks.after_step(last=i == steps - 1)  # every rank
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
 
@@ -506,9 +507,10 @@ class Preemption:
         self.asked = signum
 
     def agreed(self, device):
-        """Every rank, at the same step: the signal any rank was asked to stop by a step ago,
-        or 0. The flags travel in an all-reduce that nobody waits for, read a step later: no
-        host waits here for another, nor for its GPU. (So a stop comes a step later.)"""
+        """Every rank, at the same step: the signal any rank was asked to stop by, or 0. It
+        sends this step's flags (their MAX, in an all-reduce) and returns the last step's,
+        the same on every rank: long arrived, so no rank waits here for a slower one. A stop
+        comes a step later."""
         flag = torch.full([1], self.asked, device=device)  # (no copy, no wait)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
@@ -614,8 +616,8 @@ class Phases:
         try:  # (multi_get: one round trip, whatever the number of ranks)
             self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout, 5)))
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
-            if timed_out:  # the first to end takes rank 0's store, or its launcher stops
-                # the others: each waits (as long) until all have read
+            if timed_out:  # all ranks timed out together: if one ended now, rank 0's store
+                # or the launcher would end the others before they read, so all wait for all
                 if self.store.add("phases read", 1) == self.d.world_size:
                     self.store.set("phases read by all", "")
                 self.store.wait(["phases read by all"])
@@ -645,16 +647,16 @@ def spans(ranks):
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
-def choose_checkpoint(folder, shape, d):
+def choose_checkpoint(folder, identity, d):
     """Every rank, before any work: rank 0 locks the folder and reads the newest checkpoint
-    that verifies (it must fit shape: the options and the data), and one broadcast gives every
+    that verifies (it must fit identity: the options and the data), and one broadcast gives every
     rank its path and contents (None: start from step 0) or why the job cannot go on: one
     read from storage, not one per rank."""
     choice = [None, None]  # (path, the checkpoint) to resume from; rank 0's error
     if d.rank == 0:
         try:
             lock(folder)
-            choice[0] = newest_readable(folder, shape)
+            choice[0] = newest_readable(folder, identity)
         except (SetupError, OSError) as e:  # every rank must hear it, or the others wait
             choice[1] = str(e)
     dist.broadcast_object_list(choice, src=0)
@@ -683,9 +685,9 @@ def lock(folder):
     (folder / "preempted").unlink(missing_ok=True)
 
 
-def newest_readable(folder, shape):
+def newest_readable(folder, identity):
     """Rank 0: (path, contents) of the newest checkpoint that verifies, or None; it must fit
-    shape. Newer ones that do not are renamed *.unreadable, for a person to look at; if none
+    identity. Newer ones that do not are renamed *.unreadable, for a person to look at; if none
     does but one was finished (it has its sha256), the job stops rather than start over."""
     newest = None
     unreadable = {}  # path: the error that names it and says why
@@ -707,8 +709,10 @@ def newest_readable(folder, shape):
     if newest is None:
         say(f"no checkpoint in {folder}: starting from step 0")
         return None
-    there = saved["args"]  # a resume must share shape with its checkpoint
-    differ = [f"{k} {there.get(k)} there, {v} here" for k, v in shape.items() if there.get(k) != v]
+    there = saved["args"]  # a resume must share identity with its checkpoint
+    differ = [
+        f"{k} {there.get(k)} there, {v} here" for k, v in identity.items() if there.get(k) != v
+    ]
     if differ:
         same = "Resume with the same ones or use another --checkpoint-dir"
         raise SetupError(f"{newest} was written with other settings: {'; '.join(differ)}. {same}")
@@ -779,11 +783,11 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
 
 
 def settings(args):
-    """The options in SHAPES_THE_RUN, as text: {"--lr": "0.05", ...}."""
-    return {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SHAPES_THE_RUN}
+    """The options in SAME_ON_RESUME, as text: {"--lr": "0.05", ...}."""
+    return {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SAME_ON_RESUME}
 
 
-def save(state, writer, args, d, shape):
+def save(state, writer, args, d, identity):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
     rank) and the previous write must have finished; then rank 0 copies the state to the CPU
     and a thread writes it while training goes on."""
@@ -796,7 +800,7 @@ def save(state, writer, args, d, shape):
         saved = state.state_dict()
         saved["world_size"] = d.world_size
         saved["global_batch"] = d.world_size * args.batch_size * args.accum_steps
-        saved["args"] = shape
+        saved["args"] = identity
         writer.start(cpu_copy(saved), args.checkpoint_dir / f"step-{state.step:08d}.pt", args.keep)
 
 
@@ -857,8 +861,9 @@ def prune(folder, keep):
 
 def attempt_store(timeout):
     """Where torchrun shares its agent's store with the workers (torch 2.15), a TCPStore of
-    this attempt's own, hosted by rank 0: the agent's keeps the dead attempt's keys (NOTES.md).
-    Rank 0 posts its port in the agent's store. Otherwise None: init's own store."""
+    this attempt's own, hosted by rank 0: the agent's outlives a restart with the dead
+    attempt's keys, which a new group would take for its own (NOTES.md). Rank 0 posts its
+    port in the agent's store. Otherwise None: init's own store."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None

@@ -22,7 +22,7 @@ collectives, a save one broadcast). Start-up: from the resume's process start to
 step. The table ends with a least-squares fit a + b*N of each column, evaluated at 1,024
 and 8,192 ranks: a column that grows with N shows a b well above zero.
 
---files N: ImageFolder's walk of N empty images and 04's settings() (their names' sha256),
+--files N: ImageFolder's walk of N empty images and 04's data_identity() (their names' sha256),
 against a stat of each (what settings() did before issue #50).
 """
 
@@ -298,7 +298,7 @@ def table(rows):
 
 
 def files_benchmark(count):
-    """ImageFolder's walk and settings() over count empty images in 100 class folders,
+    """ImageFolder's walk and data_identity() over count empty images in 100 class folders,
     and a stat of each for comparison."""
     root = Path(tempfile.mkdtemp(prefix="scale-files-"))
     try:
@@ -311,7 +311,7 @@ def files_benchmark(count):
         started = time.perf_counter()
         train_set = SCRIPT.image_folder(root / "train", None)
         walked = time.perf_counter()
-        SCRIPT.settings(args, train_set)
+        SCRIPT.data_identity(args, train_set)
         named = time.perf_counter()
         for path, _ in train_set.samples:
             os.path.getsize(path)
@@ -325,7 +325,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.partition("\n\n")[0])
     parser.add_argument("--sizes", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=16, help="steps in the fresh run")
-    parser.add_argument("--files", type=int, default=0, help="also time settings() on N files")
+    parser.add_argument("--files", type=int, default=0, help="also time data_identity() on N files")
     parser.add_argument("--json", type=Path, help="also write every rank's counts here")
     args = parser.parse_args()
     rows = {}
@@ -340,7 +340,7 @@ def main():
     if args.files:
         walk, names, stats = files_benchmark(args.files)
         print(
-            f"\n{args.files} files: ImageFolder's walk {walk:.2f} s; settings() {names:.2f} s;"
+            f"\n{args.files} files: ImageFolder's walk {walk:.2f} s; data_identity() {names:.2f} s;"
             f" a stat of each (before #50) {stats:.2f} s"
         )
 
