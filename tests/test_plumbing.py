@@ -118,6 +118,37 @@ def test_an_expected_failure_stays_one_line_without_a_traceback(tmp_path):
     assert hooks_that_ran(tmp_path) == ["rank0"]
 
 
+def test_an_nccl_error_from_torch_2_15s_engine_is_one_line_without_a_traceback(tmp_path):
+    # torch 2.15's NCCL engine (nccl2) raises a plain RuntimeError whose text is the failed
+    # call, NCCL's error string, then "\nNCCL Last Error: ..." (NCCLException::what(), in
+    # torch/csrc/distributed/c10d/nccl2): a failed collective, not a bug in your code, and
+    # one line, the two of its text joined. (Raised here by hand: no GPU on this machine.)
+    failed = "NCCL AllReduce failed: unhandled cuda error \\nNCCL Last Error: Cuda failure"
+    line = f"    raise RuntimeError('{failed}')  # as nccl2 raises it\n"
+    anchor = "    rows = [None] * d.world_size\n"
+    script = inserted_copy(tmp_path / "nccl.py", "01_init_methods.py", anchor, line)
+    r = forked(script, "--spawn", 2, timeout=60)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r
+    lines = sorted(r.stderr.splitlines())
+    said = "error: RuntimeError: NCCL AllReduce failed: unhandled cuda error NCCL Last Error: "
+    assert lines[:2] == [f"[rank {rank}] {said}Cuda failure" for rank in (0, 1)], r
+
+
+def test_a_job_with_stderr_closed_trains_to_the_end(tmp_path):
+    # `2>&-` (a daemon, a cron job): Python starts with sys.stderr None. 03 wrote a beat to it
+    # each step and could not train at all; now nothing but a rank's last line needs it.
+    script = REPO / "03_ddp_train.py"
+    args = "--image-size 16 --train-size 32 --val-size 8 --batch-size 16 --epochs 1"
+    done = subprocess.run(
+        ["bash", "-c", f'exec "$0" {script} {args} 2>&-', PYTHON],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in LAUNCH_VARS},
+    )
+    assert done.returncode == 0 and "verified: 1 rank(s)" in done.stdout, done
+
+
 # A job that trains long enough to be signalled: 03 at its smallest, a progress line per step.
 LONG = ["--image-size", 16, "--train-size", 64, "--val-size", 0, "--batch-size", 16]
 LONG += ["--epochs", 1000, "--log-every", 1, "--timeout", 60]
