@@ -139,6 +139,7 @@ def main(args):
         every --save-every steps and at each epoch's end (due); a stop if any rank was asked,
         saved first. The epoch's last step (last) leaves both to the epoch's end, after its
         validation; after the last epoch, nothing is left to stop."""
+        phases.armed = True
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
@@ -538,6 +539,8 @@ class Phases:
         self.where = "start"
         self.phase = None
         self.done = False  # out of `with phases:`: no watchdog
+        self.armed = False  # the watchdog: from the first step's end (it may compile), but
+        # on data loading from the start
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
         self.store = dist.distributed_c10d._get_default_store()
@@ -558,15 +561,15 @@ class Phases:
             yield batch
 
     def publish(self):
-        """The thread, once a second: the phase into the store when it changed, and from the
-        first phase on, the watchdog. It counts its own seconds, not the clock's: a suspended
-        job (scontrol suspend) is not stuck."""
+        """The thread, once a second: the phase into the store when it changed, and the
+        watchdog, which counts its own seconds: a suspended job (scontrol suspend) is not
+        stuck."""
         published = None
         since = still = 0  # the last phase's start when last seen; this thread's seconds since
         while not self.done:
             still = still + 1 if self.since == since else 0
             since = self.since
-            if self.phase and still > self.timeout + 5:  # stuck: its stacks, its line, its end
+            if (self.armed or self.phase == "data") and still > self.timeout + 5:  # stuck
                 faulthandler.dump_traceback(all_threads=True)
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
@@ -698,7 +701,7 @@ def newest_readable(folder, identity):
             break
         except SetupError as e:
             unreadable[path] = e
-    finished = any(marker(path).exists() for path in unreadable)
+    finished = any(Path(f"{path}.sha256").exists() for path in unreadable)
     if newest is None and finished:
         none = f"{folder} holds {len(unreadable)} checkpoint(s) and none is readable"
         reasons = "; ".join(map(str, unreadable.values()))
@@ -729,10 +732,11 @@ def checkpoints_in(folder):
 def read_checkpoint(path):
     """The checkpoint at path, loaded onto the CPU once its sha256 matches; or a SetupError
     that names it and says why not."""
-    if not marker(path).exists():
-        raise SetupError(f"{path.name}: no {marker(path).name}: the save did not finish")
+    sha256 = Path(f"{path}.sha256")  # sha256sum's format, written after the checkpoint
+    if not sha256.exists():
+        raise SetupError(f"{path.name}: no {sha256.name}: the save did not finish")
     data = path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != marker(path).read_text()[:64]:
+    if hashlib.sha256(data).hexdigest() != sha256.read_text()[:64]:
         raise SetupError(
             f"{path.name}: sha256 mismatch ({len(data)} bytes): truncated or corrupted"
         )
@@ -742,11 +746,6 @@ def read_checkpoint(path):
     if not isinstance(saved, dict) or "args" not in saved:  # another script's, say
         raise SetupError(f"{path.name}: not a checkpoint of this script")
     return saved
-
-
-def marker(path):
-    """step-40.pt's step-40.pt.sha256: its sha256 in sha256sum's format, written last."""
-    return Path(f"{path}.sha256")
 
 
 def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
@@ -835,7 +834,7 @@ class Writer:
             data = buffer.getvalue()
             write_atomic(path, data)
             digest = hashlib.sha256(data).hexdigest()
-            write_atomic(marker(path), f"{digest}  {path.name}\n".encode())
+            write_atomic(Path(f"{path}.sha256"), f"{digest}  {path.name}\n".encode())
             prune(path.parent, keep)
             say(f"saved {path.name}")
         except Exception as e:  # noqa: BLE001 - any: finish() reports it on every rank
@@ -852,10 +851,10 @@ class Writer:
 
 
 def prune(folder, keep):
-    """All but the newest keep checkpoints deleted, each marker first (a checkpoint without
-    its marker is never loaded)."""
+    """All but the newest keep checkpoints deleted, each sha256 first (a checkpoint without
+    it is never loaded)."""
     for path in checkpoints_in(folder)[keep:]:
-        marker(path).unlink(missing_ok=True)
+        Path(f"{path}.sha256").unlink(missing_ok=True)
         path.unlink(missing_ok=True)
 
 

@@ -352,6 +352,22 @@ def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
     assert "stuck for" not in r.stderr and "Timeout" not in r.stderr, r
 
 
+@pytest.mark.hangs  # about 14 s, 8 of them in the first step
+def test_a_first_step_longer_than_the_watchdog_is_not_stuck(tmp_path):
+    # A first step that compiles (torch.compile, max-autotune, cudnn.benchmark) takes as long
+    # on every rank: no collective times out, but the watchdog (--timeout + 5 = 6 s here)
+    # ended the rank. It is armed at the first step's end now, but for data loading (the
+    # next test: a worker blocked in step 0 is still ended).
+    anchor = "                    logits = model(images)\n"
+    compile_ = "                    if state.step == 0:\n"
+    compile_ += "                        time.sleep(8)  # compiling\n"
+    script = inserted_copy(tmp_path / "compiles.py", SCRIPT, anchor, compile_)
+    args = [*SMALL, "--epochs", 1, "--timeout", 1, "--checkpoint-dir", tmp_path / "ckpt"]
+    r = run(script, *args, timeout=120)
+    assert r.returncode == 0 and "verified: 1 rank(s) hold identical" in r.stdout, r
+    assert "stuck for" not in r.stderr, r
+
+
 @pytest.mark.hangs  # about 10 s
 def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path):
     # A FIFO among the images (a file that never finishes: a hung network mount, say): the
