@@ -127,11 +127,9 @@ def test_an_nccl_error_from_torch_2_15s_engine_is_one_line_without_a_traceback(t
     line = f"    raise RuntimeError('{failed}')  # as nccl2 raises it\n"
     anchor = "    rows = [None] * d.world_size\n"
     script = inserted_copy(tmp_path / "nccl.py", "01_init_methods.py", anchor, line)
-    r = forked(script, "--spawn", 2, timeout=60)
-    assert r.returncode == 1 and "Traceback" not in r.stderr, r
-    lines = sorted(r.stderr.splitlines())
+    r = forked(script, timeout=60)
     said = "error: RuntimeError: NCCL AllReduce failed: unhandled cuda error NCCL Last Error: "
-    assert lines[:2] == [f"[rank {rank}] {said}Cuda failure" for rank in (0, 1)], r
+    assert (r.returncode, r.stderr) == (1, f"[rank 0] {said}Cuda failure\n"), r
 
 
 def test_a_job_with_stderr_closed_trains_to_the_end(tmp_path):
