@@ -151,6 +151,7 @@ def main(args):
             save(state, writer, args, d, identity)
         if stop:
             writer.finish()  # the save is on disk before this rank ends
+            dist.barrier()  # NCCL: rank 0's broadcast has left its GPU
             if d.rank == 0:
                 (args.checkpoint_dir / "preempted").touch()  # after the save
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
@@ -303,8 +304,7 @@ def make_loaders(args, d, train_set, val_set):
 def quiet_worker(worker_id):
     """A DataLoader worker ignores the signals that stop a job (SLURM and `timeout` signal the
     whole process group): a dead worker would end its rank before it saved."""
-    for sig in STOP_SIGNALS:  # (the shared plumbing's, at the bottom)
-        signal.signal(sig, signal.SIG_IGN)
+    handle(STOP_SIGNALS, signal.SIG_IGN)  # (the shared plumbing's, at the bottom)
 
 
 @dataclass
@@ -545,6 +545,7 @@ class Phases:
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
         self.store = dist.distributed_c10d._get_default_store()
         threading.Thread(target=self.publish, daemon=True).start()
+        faulthandler.enable()  # stacks if NCCL's watchdog aborts the rank
 
     def enter(self, step, phase):
         now = time.perf_counter()
@@ -590,7 +591,7 @@ class Phases:
         more. (On GPUs the forward's host time is the time to queue its kernels.)"""
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
         table[self.d.rank] = torch.tensor([self.seconds["data"], self.seconds["forward"]])
-        self.seconds = {"data": 0.0, "forward": 0.0}
+        self.seconds = dict.fromkeys(self.seconds, 0.0)
         dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
         rank = int(before.argmax())

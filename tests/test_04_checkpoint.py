@@ -1030,7 +1030,7 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
     # Rank 2 skips step 2's progress line and its collectives: its next collective, the stop
     # agreement's one-flag all-reduce, meets the others' three-float one. The rank that
     # receives the wrong size (rank 1, by Gloo's ring) aborts in Gloo's C++ with no line of
-    # ours; rank 0 loses it and names where every rank was (rank 2 still in step 1's
+    # ours, but its stacks; rank 0 loses it and names where every rank was (rank 2 still in step 1's
     # backward), rank 2 loses its peer. (In 03 the same, with no phases to name.)
     r = run(
         stuck_copy(tmp_path, "skip"),
@@ -1054,3 +1054,5 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
     assert ours[0].startswith("[rank 0] error: RuntimeError: [") and ours[0].endswith(where), r
     assert "gloo/" in ours[1] and "where" not in ours[1], r  # a peer lost: rank 0 reads
     assert r.stderr.count("Traceback") == (launcher == "torchrun"), r  # the agent's own
+    # rank 1's stacks, from faulthandler, which NCCL's watchdog's abort also meets (#51)
+    assert "Fatal Python error: Aborted" in r.stderr and "in train_one_epoch" in r.stderr, r
