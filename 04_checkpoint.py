@@ -15,11 +15,12 @@ marked where its code is.
   every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
   (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
   every rank carries on from it, with the same data order, augmentations and random numbers:
-  on as many ranks, the weights end bit for bit those of an uninterrupted run (GPUs too:
-  cuDNN and cuBLAS are made deterministic). A resume may change the world size, --epochs,
-  --batch-size and --accum-steps: the data position stays exact (with the global batch
-  held and --norm group, the weights agree to rounding), the schedule is rebuilt. When a
-  rank dies under torchrun --max-restarts, all restart and resume on their own.
+  on as many ranks, the weights end bit for bit those of an uninterrupted run (GPUs too, on
+  the same nodes: cuDNN and cuBLAS are made deterministic; NVSwitch: NOTES.md). A
+  resume may change the world size, --epochs, --batch-size and --accum-steps: the data
+  position stays exact (with the global batch held and --norm group, the weights agree to
+  rounding), the schedule is rebuilt. When a rank dies under torchrun --max-restarts, all
+  restart and resume on their own.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
   --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
   DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
@@ -805,9 +806,9 @@ def save(state, writer, args, d, identity):
 
 
 def cpu_copy(value):
-    """A state_dict (dicts of dicts of tensors and numbers) with every tensor copied to the
-    CPU: the writer's own, which training cannot change under it (CPU tensors too). An
-    optimizer that keeps lists of tensors (LBFGS) needs lists: NOTES.md."""
+    """A state_dict with every tensor copied to the CPU: the writer's own, which training
+    cannot change under it (CPU tensors too). An optimizer that keeps lists of tensors
+    (LBFGS) needs lists: NOTES.md."""
     if isinstance(value, dict):
         return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, torch.Tensor):

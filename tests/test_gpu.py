@@ -77,7 +77,7 @@ def test_01_every_rank_binds_its_local_gpu_and_collectives_hold():
     assert r.stdout.strip().splitlines()[-1].startswith(f"verified: {GPUS} rank(s) joined")
 
 
-def test_02_pinned_loader_with_workers_shards_exactly():
+def test_02_loader_with_workers_shards_exactly_on_gpus():
     r = gpu_run("02_sampler.py", "--dataset-size", 11, "--workers", 2).ok()
     assert re.search(r"^verified: \d+ rank\(s\) x \d+ samples per epoch", r.stdout, re.M), r
 
