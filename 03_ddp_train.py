@@ -69,7 +69,7 @@ def main(args):
             f"a step takes {args.accum_steps}"
         )
     torch.manual_seed(0)  # the same initial weights in any world size: runs compare
-    model = build_model(args, num_classes).to(d.device, args.dtype)
+    model = build_model(args, num_classes).to(d.device)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
         model,
@@ -244,7 +244,7 @@ def train_one_epoch(model, loader, state, args, d):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
             images, labels = next(batches)
-            images = images.to(d.device, args.dtype, non_blocking=True)
+            images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
@@ -293,7 +293,7 @@ def evaluate(model, loader, args, d):
     model.eval()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
-        logits = model(images.to(d.device, args.dtype))
+        logits = model(images.to(d.device))
         labels = labels.to(d.device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
@@ -406,14 +406,6 @@ def build_parser():
         "--amp",
         choices=AMP_DTYPES,
         help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
-    )
-    add(
-        "--float64",
-        dest="dtype",  # args.dtype: the model's and the images' dtype
-        action="store_const",
-        const=torch.float64,
-        default=torch.float32,
-        help="train in float64, for sharp equivalence checks (slow; default: float32)",
     )
     add(
         "--log-every",

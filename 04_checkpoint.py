@@ -74,7 +74,7 @@ from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 # the options a resume must share with the run it resumes, besides the data (--epochs,
 # --batch-size and --accum-steps may change); your own model: drop those it ignores
-SAME_ON_RESUME = "arch norm image_size lr amp dtype".split()
+SAME_ON_RESUME = "arch norm image_size lr amp".split()
 
 
 def main(args):
@@ -100,7 +100,7 @@ def main(args):
             f"a step takes {args.accum_steps}"
         )
     torch.manual_seed(0)  # the same initial weights in any world size: runs compare
-    model = build_model(args, num_classes).to(d.device, args.dtype)
+    model = build_model(args, num_classes).to(d.device)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
     ddp_model = DDP(
         model,
@@ -402,7 +402,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         for k in range(args.accum_steps):
             hooks.phases.enter(state.step, "data")  # (noted in memory: no I/O)
             images, labels = next(batches)
-            images = images.to(d.device, args.dtype, non_blocking=True)
+            images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
@@ -460,7 +460,7 @@ def evaluate(model, loader, args, d):
     model.eval()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     for images, labels in loader:
-        logits = model(images.to(d.device, args.dtype))
+        logits = model(images.to(d.device))
         labels = labels.to(d.device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
@@ -975,14 +975,6 @@ def build_parser():
         "--amp",
         choices=AMP_DTYPES,
         help="autocast to this dtype; fp16 adds a GradScaler (default: off)",
-    )
-    add(
-        "--float64",
-        dest="dtype",  # args.dtype: the model's and the images' dtype
-        action="store_const",
-        const=torch.float64,
-        default=torch.float32,
-        help="train in float64, for sharp equivalence checks (slow; default: float32)",
     )
     add(
         "--log-every",

@@ -527,6 +527,8 @@ def wait_for_any(jobs: list[Watched], text: str) -> Watched:
 
 # Edits a user makes to 03 (edited_copy): a layer, a compiled model, SyncBatchNorm, DDP's knobs
 UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
+# float64 in every rank of a run (the scripts take torch's default dtype): env=FLOAT64
+FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "float64")}
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
 DDP_ARGUMENT = "\n        # DDP's knobs, all left at their defaults"  # 03 lists them there

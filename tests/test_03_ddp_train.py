@@ -12,6 +12,7 @@ import torch
 from launch import (
     COMPILE,
     FIND,
+    FLOAT64,
     SMALL_BUCKETS,
     STATIC,
     SYNC_BN,
@@ -112,9 +113,10 @@ def test_a_last_batch_of_one_image_is_dropped_not_a_crash(nproc, images):
 
 # --- N processes with batch b == one process with batch N*b, over DDP's knobs ----------------
 # resnet18 with GroupNorm (no batch statistics, no dropout), 12 images = 2 global batches of 6
-# per epoch, 2 epochs: 4 optimizer steps, or 2 with --accum-steps 2. In float64: in float32
-# the step-1 weights agree to 1e-10, but over many steps a ReLU network amplifies the rounding
-# of a 6-sample mean vs. a mean of 3- or 2-sample means into differences up to 1e-2.
+# per epoch, 2 epochs: 4 optimizer steps, or 2 with --accum-steps 2. In float64 (env=FLOAT64:
+# torch's default dtype, in every rank): in float32 the step-1 weights agree to 1e-10, but
+# over many steps a ReLU network amplifies the rounding of a 6-sample mean vs. a mean of 3-
+# or 2-sample means into differences up to 1e-2.
 EQUIV = [
     "--arch",
     "resnet18",
@@ -130,7 +132,6 @@ EQUIV = [
     "2",
     "--lr",
     "0.01",
-    "--float64",
     "--timeout",
     "60",
 ]
@@ -170,6 +171,7 @@ def matrix(tmp_path_factory):
             accum,
             "--save-model",
             folder / f"ref{accum}.pt",
+            env=FLOAT64,
         ).ok()
         results[f"ref{accum}"] = (
             r.stdout,
@@ -186,6 +188,7 @@ def matrix(tmp_path_factory):
             "--save-model",
             folder / f"{name}.pt",
             nproc=nproc,
+            env=FLOAT64,
         ).ok()
         assert "FutureWarning" not in r.stderr  # e.g. a renamed argument
         results[name] = (r.stdout, torch.load(folder / f"{name}.pt", weights_only=True))

@@ -21,6 +21,7 @@ import torch
 from torch.utils.data.distributed import DistributedSampler
 
 from launch import (
+    FLOAT64,
     REPO,
     Watched,
     forked,
@@ -52,7 +53,7 @@ TINY = ["--arch", "resnet18", "--image-size", 16, "--train-size", 64, "--val-siz
 TINY += ["--batch-size", 16, "--epochs", 1, "--timeout", 60]
 # GroupNorm and float64: N processes equal one with the whole batch to 1e-9
 EQUIV = ["--norm", "group", "--image-size", 16, "--train-size", 12, "--val-size", 0]
-EQUIV += ["--epochs", 2, "--lr", 0.01, "--float64", "--timeout", 60]
+EQUIV += ["--epochs", 2, "--lr", 0.01, "--timeout", 60]  # with env=FLOAT64
 
 
 def final_state(stdout: str) -> str:
@@ -431,15 +432,16 @@ def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path)
     # 4 with --batch-size 2: 8 images a step as before, so the training is the same (float64
     # and GroupNorm: no batch statistics; only the order of additions differs). The data
     # position carries on exactly: a step of other images would end elsewhere.
-    base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--float64", "--train-size", 32]
+    base = [*SMALL, "--arch", "resnet18", "--norm", "group", "--train-size", 32]
     base += ["--batch-size", 4, "--epochs", 1, "--val-size", 0]  # 4 steps of 8 images
     whole = tmp_path / "whole"
-    forked(SCRIPT, *base, "--checkpoint-dir", whole, "--save-every", 2, nproc=2).ok()
+    forked(SCRIPT, *base, "--checkpoint-dir", whole, "--save-every", 2, nproc=2, env=FLOAT64).ok()
     ended_whole = torch.load(whole / "step-00000004.pt", weights_only=True)["model"]
     for nproc, change in [(1, ["--accum-steps", 2]), (4, ["--batch-size", 2])]:
         folder = tmp_path / f"on{nproc}"  # what a stop after step 2 or 3 leaves: step 2
         shutil.copytree(whole, folder, ignore=shutil.ignore_patterns("step-00000004.pt*"))
-        r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc).ok()
+        r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc, env=FLOAT64)
+        r.ok()
         assert f"world size, global batch, steps: (2, 8, 4) -> ({nproc}, 8, 4)" in r.stdout, r
         ended = torch.load(folder / "step-00000004.pt", weights_only=True)["model"]
         for name, tensor in ended_whole.items():
@@ -867,7 +869,8 @@ def test_random_augmentation_on_two_ranks_with_workers_equals_one_process(tmp_pa
         path = tmp_path / f"{nproc}.pt"
         args = [*EQUIV, "--data", tmp_path, "--workers", 2]
         args += ["--checkpoint-dir", tmp_path / f"ckpt{nproc}"]
-        r = forked(SCRIPT, *args, "--batch-size", 6 // nproc, "--save-model", path, nproc=nproc)
+        args += ["--batch-size", 6 // nproc, "--save-model", path]
+        r = forked(SCRIPT, *args, nproc=nproc, env=FLOAT64)
         assert "12 train / 4 val images" in r.ok().stdout
         models[nproc] = torch.load(path, weights_only=True)
     diff = max((models[2][k] - models[1][k]).abs().max().item() for k in models[1])

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed
 
-from launch import SYNC_BN, UNUSED, edited_copy, run, stuck_copy
+from launch import FLOAT64, SYNC_BN, UNUSED, edited_copy, run, stuck_copy
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -118,10 +118,16 @@ def one_gpu_then_two(tmp_path, train_size: int, *two_gpu_args, timeout: float = 
         "2",
         "--lr",
         "0.01",
-        "--float64",
-    ]
+    ]  # and env=FLOAT64: torch's default dtype in every rank
     gpu_run(
-        "03_ddp_train.py", *common, "--batch-size", 12, "--save-model", tmp_path / "one.pt", nproc=1
+        "03_ddp_train.py",
+        *common,
+        "--batch-size",
+        12,
+        "--save-model",
+        tmp_path / "one.pt",
+        nproc=1,
+        env=FLOAT64,
     ).ok()
     r = gpu_run(
         "03_ddp_train.py",
@@ -133,6 +139,7 @@ def one_gpu_then_two(tmp_path, train_size: int, *two_gpu_args, timeout: float = 
         tmp_path / "two.pt",
         nproc=2,
         timeout=timeout,
+        env=FLOAT64,
     ).ok()
     one, two = (torch.load(tmp_path / f"{n}.pt", weights_only=True) for n in ("one", "two"))
     return r, max((one[k] - two[k]).abs().max().item() for k in one)
