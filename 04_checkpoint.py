@@ -89,7 +89,7 @@ def main(args):
     d = setup(args.timeout, store=store)
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
-    # rank 0 checks it against the checkpoint it resumes, and saves it in each one
+    # rank 0 checks it against a checkpoint, and saves it in each
     identity = settings(args) | {"images": data_identity(args, train_set)}
     checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
@@ -654,9 +654,9 @@ def spans(ranks):
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
 def choose_checkpoint(folder, identity, d):
     """Every rank, before any work: rank 0 locks the folder and reads the newest checkpoint
-    that verifies (it must fit identity: the options and the data), and one broadcast gives every
-    rank its path and contents (None: start from step 0) or why the job cannot go on: one
-    read from storage, not one per rank."""
+    that verifies and fits identity, and one broadcast gives every rank its path and
+    contents (None: start from step 0) or why the job cannot go on: one read from storage,
+    not one per rank."""
     choice = [None, None]  # (path, the checkpoint) to resume from; rank 0's error
     if d.rank == 0:
         try:
@@ -672,8 +672,8 @@ def choose_checkpoint(folder, identity, d):
 
 def lock(folder):
     """Rank 0 holds DIR/.lock while its job lives: a second job there would prune and
-    overwrite its checkpoints. Also: the folder must be writable (the lock file alone may be),
-    and a killed save's temporary files go, and so does DIR/preempted (this run's to write)."""
+    overwrite its checkpoints. Also: the folder must be writable (not only the lock file);
+    a killed save's temporary files and DIR/preempted (this run's to write) go."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
