@@ -655,7 +655,7 @@ def spans(ranks):
 def choose_checkpoint(folder, identity, d):
     """Every rank, before any work: rank 0 locks the folder and reads the newest checkpoint
     that verifies and fits identity, and one broadcast gives every rank its path and
-    contents (None: start from step 0) or why the job cannot go on: one read from storage,
+    contents (None: from step 0) or why the job cannot go on: one read from storage,
     not one per rank."""
     choice = [None, None]  # (path, the checkpoint) to resume from; rank 0's error
     if d.rank == 0:
