@@ -19,7 +19,7 @@ Your own model and data: replace build_model() and build_datasets(). A job that 
 survive restarts and preemption: 04_checkpoint.py is this file plus what it needs.
 """
 
-from __future__ import annotations  # (TrainState's types unread: an old torch gets to launch)
+from __future__ import annotations  # (annotations unevaluated: an old torch reaches launch())
 
 import argparse
 import atexit
@@ -71,6 +71,7 @@ def main(args):
     torch.manual_seed(0)  # the same initial weights in any world size: runs compare
     model = build_model(args, num_classes).to(d.device)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
+    # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
         # DDP's knobs, all left at their defaults; to change one, pass it as shown:
@@ -121,7 +122,6 @@ def main(args):
             buffer = io.BytesIO()
             torch.save(model.state_dict(), buffer)
             write_atomic(args.save_model, buffer.getvalue())
-        # (the first epoch pays one-off costs: compiling, cuDNN's timing)
         say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
         say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
@@ -247,7 +247,7 @@ def train_one_epoch(model, loader, state, args, d):
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
+            # all-reduces their sum (static_graph=True must sync the first step: NOTES.md)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -281,7 +281,7 @@ def all_reduce_metrics(sums):
     """Every rank calls it: (loss sum, correct, images) summed over all ranks, as the mean loss,
     the accuracy and the count; all stop together if the loss is not finite."""
     dist.all_reduce(sums)
-    loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
+    loss_sum, correct, count = sums.tolist()
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
     return loss_sum / (count or 1), correct / (count or 1), count
 

@@ -31,7 +31,7 @@ marked where its code is.
   steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
 """
 
-from __future__ import annotations  # (TrainState's types unread: an old torch gets to launch)
+from __future__ import annotations  # (annotations unevaluated: an old torch reaches launch())
 
 import argparse
 import atexit
@@ -102,6 +102,7 @@ def main(args):
     torch.manual_seed(0)  # the same initial weights in any world size: runs compare
     model = build_model(args, num_classes).to(d.device)
     # torch.compile: model.compile() here, before DDP (the state_dict keeps its keys)
+    # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
         # DDP's knobs, all left at their defaults; to change one, pass it as shown:
@@ -197,7 +198,7 @@ def main(args):
             write_atomic(args.save_model, buffer.getvalue())
         if not losses:  # its checkpoint was the run's last
             say(f"the run had finished at step {state.step}: nothing to train")
-        else:  # (the first epoch pays one-off costs: compiling, cuDNN's timing)
+        else:
             say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
         say(f"verified: {verified}")
@@ -405,7 +406,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (with DDP's static_graph=True: NOTES.md)
+            # all-reduces their sum (static_graph=True must sync the first step: NOTES.md)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 hooks.phases.enter(state.step, "forward")
@@ -448,7 +449,7 @@ def all_reduce_metrics(sums):
     """Every rank calls it: (loss sum, correct, images) summed over all ranks, as the mean loss,
     the accuracy and the count; all stop together if the loss is not finite."""
     dist.all_reduce(sums)
-    loss_sum, correct, count = sums.tolist()  # (waits for the GPU)
+    loss_sum, correct, count = sums.tolist()
     check(math.isfinite(loss_sum), "finite loss", f"the loss is {loss_sum}: lower --lr")
     return loss_sum / (count or 1), correct / (count or 1), count
 
