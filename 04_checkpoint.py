@@ -470,12 +470,15 @@ def evaluate(model, loader, args, d):
 
 
 def log_metrics(args, state, **fields):
-    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate (the
-    next step's) and the fields. plot_metrics.py draws the learning curve from it."""
+    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate and
+    the fields. plot_metrics.py draws the learning curve from it."""
     if args.metrics:
-        with open(args.metrics, "a") as f:
-            lr = state.scheduler.get_last_lr()[0]  # the next step's
-            print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
+        lr = state.scheduler.get_last_lr()[0]  # the next step's
+        try:
+            with open(args.metrics, "a") as f:
+                print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
+        except OSError as e:  # a full disk, say
+            raise SetupError(f"cannot write {args.metrics}: {e.strerror}") from None
 
 
 def verify_replicas_identical(model, d):
@@ -836,8 +839,8 @@ class Writer:
             torch.save(snapshot, buffer)
             data = buffer.getvalue()
             write_atomic(path, data)
-            digest = hashlib.sha256(data).hexdigest()
-            write_atomic(Path(f"{path}.sha256"), f"{digest}  {path.name}\n".encode())
+            line = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n"
+            write_atomic(Path(f"{path}.sha256"), line.encode())
             prune(path.parent, keep)
             say(f"saved {path.name}")
         except Exception as e:  # noqa: BLE001 - any: finish() reports it on every rank

@@ -823,6 +823,15 @@ def test_04_is_03_plus_the_checkpoint_lesson():
 
 
 # --- moved from 03: the metrics log, seeded augmentation -----------------------------------
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
+def test_a_metrics_log_that_cannot_be_written_is_named_in_one_line(tmp_path):
+    # A full disk (/dev/full: every write fails with ENOSPC) under the log: it ended the job
+    # with a chained traceback that named no file.
+    args = [*SMALL, "--log-every", 2, "--checkpoint-dir", tmp_path]
+    r = forked(SCRIPT, *args, "--metrics", "/dev/full").failed()
+    assert r.stderr == "[rank 0] error: cannot write /dev/full: No space left on device\n", r
+
+
 def test_the_metrics_log_holds_each_progress_line_and_epoch(tmp_path):
     # --metrics: rank 0 appends a JSON line per progress line (that step's loss and accuracy,
     # over both ranks' images) and one per epoch (validation, speed): the figures printed.
