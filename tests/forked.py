@@ -13,6 +13,7 @@ torchrun worker.
 
 from __future__ import annotations
 
+import faulthandler
 import io
 import multiprocessing
 import os
@@ -25,7 +26,7 @@ import torch  # noqa: F401  (imported here so that no forked run pays for it)
 import torch.distributed as dist
 import torchvision  # noqa: F401  (imported here so that no forked run pays for it)
 
-from launch import REPO, STOP_SIGNALS, load_script
+from launch import REPO, STACKS_SIGNAL, STOP_SIGNALS, load_script
 
 for path in sorted(REPO.glob("0*.py")):
     load_script(path.name)  # what the scripts import is imported now, once
@@ -47,6 +48,9 @@ def child(
     # of a shell ignores SIGINT), as launch.start() gives a launch
     for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN if sig in ignore else signal.SIG_DFL)
+    # a run past its deadline is asked for every thread's stack, this rank's and its DataLoader
+    # workers' (they inherit the handler), before it is killed: launch.STACKS_SIGNAL
+    faulthandler.register(STACKS_SIGNAL, all_threads=True)
     os.environ.clear()  # the environment a launch from the test would have, not the server's
     os.environ.update(env)
     # a sitecustomize on the run's PYTHONPATH (a test's exit hooks), as a fresh interpreter

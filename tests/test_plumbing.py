@@ -147,6 +147,22 @@ def test_a_job_with_stderr_closed_trains_to_the_end(tmp_path):
     assert done.returncode == 0 and "verified: 1 rank(s)" in done.stdout, done
 
 
+@pytest.mark.hangs  # about 17 s, 15 of them hung
+def test_a_forked_run_past_its_deadline_shows_where_each_process_was(tmp_path):
+    # The harness's own promise: a hang's failure names where each rank (and each of its
+    # DataLoader workers) was, from faulthandler, before the run is killed.
+    line = "    time.sleep(600)  # a hang\n"
+    anchor = "    rows = [None] * d.world_size\n"
+    script = inserted_copy(tmp_path / "hangs.py", "01_init_methods.py", anchor, line)
+    script.write_text("import time\n" + script.read_text())
+    with pytest.raises(pytest.fail.Exception) as failed:
+        forked(script, nproc=2, timeout=15)
+    message = str(failed.value)
+    assert "timed out after 15s and was killed" in message, message
+    # each rank's main thread, where it hung: in the script's main()
+    assert len(re.findall(r'hangs\.py", line \d+ in main\n', message)) == 2, message
+
+
 # A job that trains long enough to be signalled: 03 at its smallest, a progress line per step.
 LONG = ["--image-size", 16, "--train-size", 64, "--val-size", 0, "--batch-size", 16]
 LONG += ["--epochs", 1000, "--log-every", 1, "--timeout", 60]
