@@ -595,7 +595,7 @@ class Phases:
         the gradient all-reduce, named when its seconds are over twice the median's and 0.1 s
         more. (On GPUs the forward's host time is the time to queue its kernels.)"""
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
-        table[self.d.rank] = torch.tensor([self.seconds["data"], self.seconds["forward"]])
+        table[self.d.rank] = torch.tensor(list(self.seconds.values()))  # [data, forward]
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
@@ -707,7 +707,7 @@ def newest_readable(folder, identity):
             break
         except SetupError as e:
             unreadable[path] = e
-    finished = any(Path(f"{path}.sha256").exists() for path in unreadable)
+    finished = any(marker(path).exists() for path in unreadable)
     if newest is None and finished:
         none = f"{folder} holds {len(unreadable)} checkpoint(s) and none is readable"
         reasons = "; ".join(map(str, unreadable.values()))
@@ -738,7 +738,7 @@ def checkpoints_in(folder):
 def read_checkpoint(path):
     """The checkpoint at path, loaded onto the CPU once its sha256 matches; or a SetupError
     that names it and says why not."""
-    sha256 = Path(f"{path}.sha256")  # sha256sum's format, written after the checkpoint
+    sha256 = marker(path)
     if not sha256.exists():
         raise SetupError(f"{path.name}: no {sha256.name}: the save did not finish")
     data = path.read_bytes()
@@ -752,6 +752,11 @@ def read_checkpoint(path):
     if not isinstance(saved, dict) or "args" not in saved:  # another script's, say
         raise SetupError(f"{path.name}: not a checkpoint of this script")
     return saved
+
+
+def marker(path):
+    """step-40.pt's step-40.pt.sha256 (sha256sum's format), written last."""
+    return Path(f"{path}.sha256")
 
 
 def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
@@ -796,16 +801,16 @@ def save(state, writer, args, d, identity):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
     rank) and the previous write must have finished; then rank 0 copies the state to the CPU
     and a thread writes it while training goes on."""
-    finite = all(p.isfinite().all() for p in state.model.parameters())  # (on every rank)
+    finite = all(p.isfinite().all() for p in state.model.parameters())
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
-    # rank 0 may still be writing the previous checkpoint (a slow disk wants a --timeout
-    # longer than a write)
+    # rank 0 may still be writing the previous one (a slow disk wants a longer --timeout)
     writer.finish()
     if d.rank == 0:
-        saved = state.state_dict()
-        saved["world_size"] = d.world_size
-        saved["global_batch"] = d.world_size * args.batch_size * args.accum_steps
-        saved["args"] = identity
+        saved = state.state_dict() | {
+            "world_size": d.world_size,
+            "global_batch": d.world_size * args.batch_size * args.accum_steps,
+            "args": identity,
+        }
         writer.start(cpu_copy(saved), args.checkpoint_dir / f"step-{state.step:08d}.pt", args.keep)
 
 
@@ -839,8 +844,9 @@ class Writer:
             torch.save(snapshot, buffer)
             data = buffer.getvalue()
             write_atomic(path, data)
-            line = f"{hashlib.sha256(data).hexdigest()}  {path.name}\n"
-            write_atomic(Path(f"{path}.sha256"), line.encode())
+            write_atomic(
+                marker(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode()
+            )
             prune(path.parent, keep)
             say(f"saved {path.name}")
         except Exception as e:  # noqa: BLE001 - any: finish() reports it on every rank
@@ -857,10 +863,10 @@ class Writer:
 
 
 def prune(folder, keep):
-    """All but the newest keep checkpoints deleted, each sha256 first (a checkpoint without
-    it is never loaded)."""
+    """All but the newest keep checkpoints deleted, each marker first (without it, a
+    checkpoint is never loaded)."""
     for path in checkpoints_in(folder)[keep:]:
-        Path(f"{path}.sha256").unlink(missing_ok=True)
+        marker(path).unlink(missing_ok=True)
         path.unlink(missing_ok=True)
 
 

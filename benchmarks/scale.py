@@ -57,7 +57,7 @@ def load_04(path):
     return module
 
 
-# before the fork: each rank starts with it imported (--script: another version's, to compare)
+# before the fork: each rank starts with it imported (SCALE_SCRIPT: another version's, to compare)
 SCRIPT_PATH = os.environ.get("SCALE_SCRIPT", REPO / "04_checkpoint.py")
 SCRIPT = load_04(SCRIPT_PATH)
 
