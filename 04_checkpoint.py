@@ -24,7 +24,7 @@ marked where its code is.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
   --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
   DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
-- Forensics: a failed collective's line says where every rank was (Gloo; NCCL's watchdog
+- Forensics: when a collective fails, rank 0's line says where every rank was (Gloo; NCCL's
   ends the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and
   exits; a progress line names the rank the others waited for.
 - Metrics: --metrics PATH, a JSON line per progress line and per epoch; after a resume the
@@ -161,7 +161,7 @@ def main(args):
 
     hooks = argparse.Namespace(phases=phases, after_step=after_step)
     losses = []
-    with phases:  # a collective that fails in here: its line says where every rank was
+    with phases:  # a collective that fails in here: rank 0 says where every rank was
         while state.epoch < args.epochs:
             train_loader.sampler.set_position(state.epoch, state.position)  # from there on
             # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
@@ -536,7 +536,7 @@ class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
     kept in memory. A thread puts the phase in the job's store once a second when it changed,
     and ends a rank stuck in one phase for --timeout + 5 s, with its stacks and a line.
-    Within `with phases:`, a failed collective's line says where every rank was."""
+    Within `with phases:`, rank 0's line says where every rank was when a collective failed."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -611,28 +611,18 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's; NCCL's do not reach here: NOTES.md): its line ends with
-        each phase's ranks, from the store. Read by every rank after a timeout, by rank 0
-        alone after a lost peer (perhaps the store's host)."""
+        """A failed collective (Gloo's; NCCL's do not reach here: NOTES.md): rank 0's line ends
+        with each phase's ranks, read from the store in one round trip. (Rank 0 alone: it
+        hosts the store, which goes when it ends, and one line says it at any world size.)"""
         self.done = True
         text = f"{kind.__name__}: {str(error).strip()}" if error else ""
-        # Gloo's text names its source files, or says that another op timed out
-        timed_out = "pair closure" in text or ("gloo/" in text and "Timed out" in text)
-        if not (timed_out or ("gloo/" in text and self.d.rank == 0)):
+        if self.d.rank or not re.search("gloo/|pair closure", text):
             return
         keys = [f"phase {rank}" for rank in range(self.d.world_size)]
-        phases = None
-        try:  # (multi_get: one round trip, whatever the number of ranks)
-            self.store.set_timeout(datetime.timedelta(seconds=min(self.timeout, 5)))
+        try:
+            self.store.set_timeout(datetime.timedelta(seconds=5))
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
-            if timed_out:  # all ranks timed out together: if one ended now, rank 0's store
-                # or the launcher would end the others before they read, so all wait for all
-                if self.store.add("phases read", 1) == self.d.world_size:
-                    self.store.set("phases read by all", "")
-                self.store.wait(["phases read by all"])
-        except Exception:  # the store gone, a rank with no phase, or one that did not time out
-            pass
-        if not phases:
+        except Exception:  # a rank that never published: no line of phases
             return
         by_phase = {}  # phase: its ranks
         for rank, phase in enumerate(phases):
