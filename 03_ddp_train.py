@@ -59,7 +59,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 def main(args):
     d = setup(args.timeout)
     # GPUs: cuDNN times its algorithms once per input shape and keeps the fastest
-    torch.backends.cudnn.benchmark = d.device.type == "cuda"
+    torch.backends.cudnn.benchmark = True
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
@@ -109,7 +109,7 @@ def main(args):
         # each rank's BatchNorm statistics followed its own shard: all take rank 0's
         for buffer in model.buffers():
             dist.broadcast(buffer, src=0)
-        val_loss, val_acc, val_count = evaluate(model, val_loader, args, d)
+        val_loss, val_acc, val_count = evaluate(model, val_loader, d.device)
         if d.rank == 0:
             say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
             say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
@@ -124,6 +124,8 @@ def main(args):
             write_atomic(args.save_model, buffer.getvalue())
         say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
         say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
+        if acc < 1.5 / num_classes:  # near chance (10% for 10 classes)
+            say(f"{state.step} steps may be too few: more --epochs or a smaller --batch-size")
         say(f"verified: {verified}")
 
 
@@ -287,14 +289,14 @@ def all_reduce_metrics(sums):
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, d):
+def evaluate(model, loader, device):
     """The loss and accuracy over every rank's validation shard, and the number of images."""
     # the plain model, not DDP: no gradient sync is wanted, and ranks' batch counts may differ
     model.eval()
-    sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
+    sums = torch.zeros(3, device=device)  # loss sum, correct, images
     for images, labels in loader:
-        logits = model(images.to(d.device))
-        labels = labels.to(d.device)
+        logits = model(images.to(device))
+        labels = labels.to(device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
         sums[2] += len(labels)

@@ -85,8 +85,8 @@ def main(args):
     # NCCL's flight recorder (on by default from torch 2.11): its dumps after a timeout go
     # beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
-    store = attempt_store(args.timeout)  # torchrun's agent's store: one of our own instead
-    d = setup(args.timeout, store=store)
+    # under torchrun's agent's store (torch 2.15), one of our own per attempt
+    d = setup(args.timeout, store=attempt_store(args.timeout))
     phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
     train_set, val_set, num_classes = build_datasets(args)
     # rank 0 checks it against a checkpoint, and saves it in each
@@ -159,13 +159,13 @@ def main(args):
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
-    hooks = argparse.Namespace(phases=phases, after_step=after_step)
     losses = []
     with phases:  # a collective that fails in here: rank 0 says where every rank was
         while state.epoch < args.epochs:
             train_loader.sampler.set_position(state.epoch, state.position)  # from there on
             # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
             train_loader.dataset.epoch = state.epoch
+            hooks = (phases, after_step)
             loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, hooks)
             losses.append(loss)
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
@@ -177,7 +177,7 @@ def main(args):
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
             val_batches = phases.each(val_batches, state.step, "evaluation")
-            val_loss, val_acc, val_count = evaluate(model, val_batches, args, d)
+            val_loss, val_acc, val_count = evaluate(model, val_batches, d.device)
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
                 say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
@@ -187,7 +187,6 @@ def main(args):
             state.position = 0
             after_step(last=False, due=True)  # every rank
         writer.finish()  # every rank: the last write is on disk (or all stop on its error)
-        phases.enter(state.step, "verification")
         verified = verify_replicas_identical(model, d)
 
     # ---- after training: the saved model, the summary -------------------------------------
@@ -201,6 +200,8 @@ def main(args):
         else:
             say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
+            if acc < 1.5 / num_classes:  # near chance (10% for 10 classes)
+                say(f"{state.step} steps may be too few: more --epochs or a smaller --batch-size")
         say(f"verified: {verified}")
 
 
@@ -340,8 +341,7 @@ class ResumableSampler(DistributedSampler):
         self.num_samples = math.ceil(rest / self.num_replicas)  # len(): this rank's share
 
     def __iter__(self):
-        g = torch.Generator()
-        g.manual_seed(self.seed + self.epoch)
+        g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=g).tolist()
         rest = order[self.start :]
         padding = -len(rest) % self.num_replicas  # repeats of the order's head
@@ -388,7 +388,8 @@ class TrainState:
 
 def train_one_epoch(model, loader, state, args, d, hooks):
     """One pass over this rank's shard (model: the DDP wrapper): the epoch's loss and accuracy
-    over all ranks, and its images per second. hooks: main's forensics, saves and stops."""
+    over all ranks, and its images per second."""
+    phases, after_step = hooks  # main's forensics, and its saves and stops
     model.train()
     amp = AMP_DTYPES.get(args.amp)
     started = time.perf_counter()
@@ -401,20 +402,20 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # a resumed run draws what the interrupted one would have, with no state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
         for k in range(args.accum_steps):
-            hooks.phases.enter(state.step, "data")  # (noted in memory: no I/O)
+            phases.enter(state.step, "data")  # (noted in memory: no I/O)
             images, labels = next(batches)
+            phases.enter(state.step, "forward")  # from the copies to the device
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum (static_graph=True must sync the first step: NOTES.md)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
-                hooks.phases.enter(state.step, "forward")
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
                 # backward, with the gradient all-reduce (it waits for the slowest rank)
-                hooks.phases.enter(state.step, "backward")
+                phases.enter(state.step, "backward")
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no wait for the GPU
             step_sums[0] += loss.detach() * len(labels)
@@ -431,16 +432,16 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # the progress line: this step's loss and accuracy over every rank's images (logged
         # before this step's save, so that a resume from it finds the line)
         if state.step % args.log_every == 0:
-            hooks.phases.enter(state.step, "progress line")
+            phases.enter(state.step, "progress line")
             step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
-            seconds, slowest = hooks.phases.slowest()  # every rank
+            seconds, slowest = phases.slowest()  # every rank
             if d.rank == 0:
                 say(
                     f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
                     f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
                 log_metrics(args, state, loss=step_loss, acc=step_acc, rank_seconds=seconds)
-        hooks.after_step(last=i == steps - 1)  # every rank
+        after_step(last=i == steps - 1)  # every rank
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
 
@@ -455,14 +456,14 @@ def all_reduce_metrics(sums):
 
 
 @torch.no_grad()
-def evaluate(model, loader, args, d):
+def evaluate(model, loader, device):
     """The loss and accuracy over every rank's validation shard, and the number of images."""
     # the plain model, not DDP: no gradient sync is wanted, and ranks' batch counts may differ
     model.eval()
-    sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
+    sums = torch.zeros(3, device=device)  # loss sum, correct, images
     for images, labels in loader:
-        logits = model(images.to(d.device))
-        labels = labels.to(d.device)
+        logits = model(images.to(device))
+        labels = labels.to(device)
         sums[0] += F.cross_entropy(logits, labels, reduction="sum")
         sums[1] += (logits.argmax(1) == labels).sum()
         sums[2] += len(labels)
@@ -548,6 +549,7 @@ class Phases:
         # on data loading from the start
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
+        self.events = []  # GPUs: CUDA events at each forward's start and end
         self.store = dist.distributed_c10d._get_default_store()
         threading.Thread(target=self.publish, daemon=True).start()
         faulthandler.enable()  # stacks if NCCL's watchdog aborts the rank
@@ -559,6 +561,10 @@ class Phases:
         self.since = now
         self.phase = phase
         self.where = f"step {step}, {phase}"
+        if phase in ("forward", "backward") and self.d.device.type == "cuda":
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()  # in the GPU's queue
+            self.events.append(event)
 
     def each(self, batches, step, phase):
         """The batches, each entering the phase: a long evaluation is progress too."""
@@ -590,37 +596,41 @@ class Phases:
             time.sleep(1)
 
     def slowest(self):
-        """Every rank, at a progress line: each rank's [data, forward] seconds since the last
-        one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited for in
-        the gradient all-reduce, named when its seconds are over twice the median's and 0.1 s
-        more. (On GPUs the forward's host time is the time to queue its kernels.)"""
+        """Every rank, at a progress line: the 3 slowest ranks' [data, forward] seconds since
+        the last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
+        for, named when its seconds are over twice the median's and 0.1 s more. On GPUs the
+        forward's time is the GPU's: the host only queues it."""
+        if self.events:  # (the progress line's .tolist() waited for them)
+            ends = iter(self.events)  # start, end, start, end, ...
+            self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(ends, ends)) / 1000
+            self.events = []
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
         table[self.d.rank] = torch.tensor(list(self.seconds.values()))  # [data, forward]
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
-        rank = int(before.argmax())
+        top = before.argsort(descending=True)[:3].tolist()
+        logged = {rank: table[rank].tolist() for rank in top}  # not all: 8,192 ranks, say
+        rank = top[0]
         excess = before[rank] - before.median()
         if before[rank] < 2 * before.median() or excess < 0.1:
-            return table.tolist(), ""
+            return logged, ""
         in_data, in_forward = table[rank] - table.median(0).values
         phase = "data" if in_data > in_forward else "forward"
-        return table.tolist(), f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
+        return logged, f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
 
     def __enter__(self):
         return self
 
     def __exit__(self, kind, error, trace):
         """A failed collective (Gloo's; NCCL's do not reach here: NOTES.md): rank 0's line ends
-        with each phase's ranks, read from the store in one round trip. (Rank 0 alone: it
-        hosts the store, which goes when it ends, and one line says it at any world size.)"""
+        with each phase's ranks, read from the store it hosts in one round trip."""
         self.done = True
-        text = f"{kind.__name__}: {str(error).strip()}" if error else ""
-        if self.d.rank or not re.search("gloo/|pair closure", text):
+        if self.d.rank or not re.search("gloo/|pair closure", str(error)):
             return
-        keys = [f"phase {rank}" for rank in range(self.d.world_size)]
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))
+            keys = [f"phase {rank}" for rank in range(self.d.world_size)]
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
         except Exception:  # a rank that never published: no line of phases
             return
@@ -630,7 +640,7 @@ class Phases:
         # "rank 2: step 5, data; ranks 0-1, 3-7: step 5, backward": the odd ones out first
         groups = sorted(by_phase.items(), key=lambda group: len(group[1]))
         where = "; ".join(f"{spans(ranks)}: {phase}" for phase, ranks in groups)
-        raise SetupError(f"{text}; where: {where}") from error
+        raise SetupError(f"{kind.__name__}: {str(error).strip()}; where: {where}") from error
 
 
 def spans(ranks):
@@ -671,8 +681,10 @@ def lock(folder):
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
-        lock_file = os.open(folder / ".lock", os.O_RDWR | os.O_CREAT)  # open until we exit
-        fcntl.flock(lock_file, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        # the file stays open, and locked, until this process exits
+        fcntl.flock(
+            os.open(folder / ".lock", os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX | fcntl.LOCK_NB
+        )
     except BlockingIOError:
         raise SetupError(
             f"another job holds {folder}/.lock: use another --checkpoint-dir, or wait"
@@ -697,8 +709,7 @@ def newest_readable(folder, identity):
             break
         except SetupError as e:
             unreadable[path] = e
-    finished = any(marker(path).exists() for path in unreadable)
-    if newest is None and finished:
+    if newest is None and any(marker(path).exists() for path in unreadable):  # one finished
         none = f"{folder} holds {len(unreadable)} checkpoint(s) and none is readable"
         reasons = "; ".join(map(str, unreadable.values()))
         raise SetupError(f"{none} ({reasons}). Move them away to start over")
@@ -984,23 +995,20 @@ def build_parser():
     )
     add("--save-model", type=output_file, metavar="PATH", help="rank 0 saves the weights there")
     add("--metrics", type=output_file, metavar="PATH", help="rank 0 appends JSON lines there")
-    c = parser.add_argument_group("checkpoints")
-    c.add_argument(
+    add(
         "--checkpoint-dir",
         type=Path,
         default="checkpoints",
         help="on storage every node sees (default: %(default)s)",
     )
-    c.add_argument(
+    add(
         "--save-every",
         type=positive,
         default=20,
         help="also save every N steps, mid-epoch (default: %(default)s)",
     )
-    c.add_argument(
-        "--keep", type=positive, default=3, help="newest checkpoints kept (default: %(default)s)"
-    )
-    c.add_argument(
+    add("--keep", type=positive, default=3, help="newest checkpoints kept (default: %(default)s)")
+    add(
         "--simulate-failure",
         type=positive,
         metavar="STEP",

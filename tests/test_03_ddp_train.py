@@ -76,6 +76,7 @@ def assert_trained(stdout: str, ranks: int) -> None:
     verified = VERIFIED.search(stdout)
     assert verified and int(verified[1]) == ranks, stdout
     assert stdout.strip().splitlines()[-1].startswith("verified:")
+    assert "may be too few" not in stdout  # it learnt: no hint
     assert re.search(r"^epoch 1  step\s+3/12\s+loss [\d.]+\s+acc\s+[\d.]+%$", stdout, re.M)
 
 
@@ -86,6 +87,17 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
     assert_trained(r.stdout, 2)
     val = re.findall(r"val loss [\d.]+ acc ([\d.]+)% on 128 images", r.stdout)
     assert len(val) == 2  # every validation image counted once, across both ranks
+
+
+def test_a_run_that_learns_nothing_says_its_steps_may_be_too_few():
+    # Issue #52: a run too short to learn (sklearn's digits with the defaults: 15 steps,
+    # validation at chance) ended `verified:`, exit 0, with no word. A training accuracy
+    # under 1.5x chance now gets a line with the step count and the flags that give more
+    # (here --lr 0, so that nothing is learnt on any machine; a run that learns has none).
+    r = forked(SCRIPT, *TINY, "--lr", "0", nproc=2).ok()
+    hint = "2 steps may be too few: more --epochs or a smaller --batch-size\n"
+    assert r.stdout.endswith(hint + r.stdout.splitlines()[-1] + "\n"), r
+    assert r.stdout.splitlines()[-1].startswith("verified: 2 rank(s)"), r
 
 
 @pytest.mark.parametrize("nproc, images", [(2, 66), (1, 33)])

@@ -855,10 +855,14 @@ def test_the_metrics_log_holds_each_progress_line_and_epoch(tmp_path):
     epochs = [x for x in lines if "val_loss" in x]
     assert [(f"{x['val_loss']:.4f}", f"{x['val_acc']:.1%}"[:-1]) for x in epochs] == val
     assert all(x["lr"] > 0 for x in lines) and all(x["img_s"] > 0 for x in epochs)
-    # each progress line: every rank's [data, forward] seconds since the last (Phases.slowest)
+    # each progress line: the slowest ranks' [data, forward] seconds since the last (at most
+    # 3 of them, by rank: Phases.slowest), slowest first
     for x in steps:
         seconds = x["rank_seconds"]
-        assert len(seconds) == 2 and all(len(s) == 2 and min(s) > 0 for s in seconds), x
+        assert sorted(seconds) == ["0", "1"], x
+        assert all(len(s) == 2 and min(s) > 0 for s in seconds.values()), x
+        totals = [sum(s) for s in seconds.values()]
+        assert totals == sorted(totals, reverse=True), x
 
 
 def test_random_augmentation_on_two_ranks_with_workers_equals_one_process(tmp_path):

@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.distributed
 
-from launch import FLOAT64, SYNC_BN, UNUSED, edited_copy, run, stuck_copy
+from launch import FLOAT64, SYNC_BN, UNUSED, edited_copy, inserted_copy, run, stuck_copy
 
 GPUS = torch.cuda.device_count() if torch.cuda.is_available() else 0
 pytestmark = [
@@ -172,22 +172,40 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
     assert "did not receive grad for rank 0: unused_layer.bias, unused_layer.weight" in r.stderr
 
 
-def test_03_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
+def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
     # One process that never returns from step 2's forward, as a GPU hang looks from Python:
-    # with no peer to time out, its own watchdog (faulthandler, re-armed at every beat) ends
-    # it --timeout + 5 s after its last beat, with its stack, on a process bound to a GPU.
-    # (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
+    # with no peer to time out, 04's own watchdog (Phases) ends it --timeout + 6 of its
+    # seconds after it entered the phase, with its stacks and its line, on a process bound
+    # to a GPU. (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
     args = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 32)
     r = run(
-        stuck_copy(tmp_path, "compute", rank=0),
-        *(*args, "--epochs", 1, "--timeout", 3),
+        stuck_copy(tmp_path, "forward", rank=0),
+        *(*args, "--epochs", 1, "--timeout", 3, "--checkpoint-dir", tmp_path / "ckpt"),
         launcher="torchrun",
         nproc=1,
         gpu=True,
         timeout=120,
     ).failed()
     assert "on 1 x cuda (nccl)" in r.stdout, r
-    assert "Timeout (0:00:08)!" in r.stderr and "in train_one_epoch" in r.stderr, r
+    assert "[rank 0] stuck for 9 s in step 2, forward\n" in r.stderr, r
+    assert "in train_one_epoch" in r.stderr, r
+
+
+@two_gpus
+def test_04_a_slow_gpu_is_named_in_the_progress_line(tmp_path):
+    # Rank 1's GPU spins about 0.1 s more in each forward (torch.cuda._sleep queues a kernel
+    # of so many cycles; the host does not wait for it). The host's clocks named no one: its
+    # forward is the time to queue the kernels. The CUDA events around each forward name
+    # rank 1 and the phase on every progress line after the first (#51 item 2).
+    anchor = " " * 20 + "logits = model(images)\n"
+    spin = " " * 20 + "if d.rank == 1:\n" + " " * 24 + "torch.cuda._sleep(200_000_000)\n"
+    script = inserted_copy(tmp_path / "slow_gpu.py", "04_checkpoint.py", anchor, spin)
+    args = ["--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 16]
+    args += ["--epochs", 1, "--log-every", 4, "--checkpoint-dir", tmp_path / "ckpt"]
+    r = gpu_run(str(script), *args, nproc=2).ok()  # 12 steps: 3 lines
+    lines = [line for line in r.stdout.splitlines() if line.startswith("epoch 1  step")]
+    assert len(lines) == 3, r
+    assert all(re.search(r"  slowest: rank 1 \(forward \+\d+\.\d\ds\)$", x) for x in lines[1:]), r
 
 
 def test_04_fp16_resume_after_a_killed_worker_is_bitwise(tmp_path):
