@@ -84,8 +84,7 @@ def main(args):
     )
     # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
     # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
-    # does it once, before evaluating. (Not DDP's argument: that also skips the copy at
-    # construction, and torch 2.13 deprecates it.)
+    # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -103,7 +102,7 @@ def main(args):
         )
     losses = []
     while state.epoch < args.epochs:
-        train_loader.sampler.set_epoch(state.epoch)  # a new order, the same on every rank
+        train_loader.sampler.set_epoch(state.epoch)  # one new shuffle for all ranks; each its shard
         loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d)
         losses.append(loss)
         # each rank's BatchNorm statistics followed its own shard: all take rank 0's
@@ -216,7 +215,7 @@ def build_model(args, num_classes):
     if args.norm == "group":  # no batch statistics: the same model however the batch is split
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    # GPUs: BatchNorm statistics over the global batch (DDP refuses it on the CPU):
+    # GPUs: BatchNorm statistics over the global batch (SyncBatchNorm refuses CPU tensors):
     # model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -225,7 +224,7 @@ def build_model(args, num_classes):
 class TrainState:
     """What training changes as it goes, in one place (04_checkpoint.py saves exactly this)."""
 
-    model: nn.Module  # the plain model, not the DDP wrapper
+    model: nn.Module  # not the DDP wrapper
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler  # one-cycle: it steps with every step
     scaler: torch.amp.GradScaler  # fp16's loss scale; a no-op unless --amp fp16
@@ -241,7 +240,7 @@ def train_one_epoch(model, loader, state, args, d):
     started = time.perf_counter()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     batches = iter(loader)
-    steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
+    steps = len(loader) // args.accum_steps  # whole steps: a partial one's gradients never sync
     for _ in range(steps):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         for k in range(args.accum_steps):
@@ -249,7 +248,8 @@ def train_one_epoch(model, loader, state, args, d):
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (static_graph=True must sync the first step: NOTES.md)
+            # all-reduces their sum, averaged over the ranks: with loss / K, the global
+            # batch's mean (static_graph=True must sync the first step: NOTES.md)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):

@@ -115,10 +115,8 @@ def main(args):
     )
     # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
     # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
-    # does it once, before evaluating. (Not DDP's argument: that also skips the copy at
-    # construction, and torch 2.13 deprecates it.)
+    # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
     ddp_model.broadcast_buffers = False
-    torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, args.lr, steps_per_epoch * args.epochs
@@ -127,6 +125,7 @@ def main(args):
     state = TrainState(model, optimizer, scheduler, scaler)
     if checkpoint:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
+        checkpoint = checkpoint[0]  # its path: its contents (on each CPU) can go
     writer = Writer()
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
@@ -160,7 +159,7 @@ def main(args):
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
     losses = []
-    with phases:  # a collective that fails in here: rank 0 says where every rank was
+    with phases:  # forensics for the training loop
         while state.epoch < args.epochs:
             train_loader.sampler.set_position(state.epoch, state.position)  # from there on
             # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
@@ -186,7 +185,7 @@ def main(args):
             state.epoch += 1
             state.position = 0
             after_step(last=False, due=True)  # every rank
-        writer.finish()  # every rank: the last write is on disk (or all stop on its error)
+        writer.finish()  # the last write is on disk (or all stop on its error)
         verified = verify_replicas_identical(model, d)
 
     # ---- after training: the saved model, the summary -------------------------------------
@@ -307,14 +306,15 @@ def make_loaders(args, d, train_set, val_set):
 def quiet_worker(worker_id):
     """A DataLoader worker ignores the signals that stop a job (SLURM and `timeout` signal the
     whole process group): a dead worker would end its rank before it saved."""
-    handle(STOP_SIGNALS, signal.SIG_IGN)  # (the shared plumbing's, at the bottom)
+    handle(STOP_SIGNALS, signal.SIG_IGN)
 
 
 @dataclass
 class SeededAugmentation(Dataset):
     """The training set, each sample's random augmentation drawn from a seed of its own (the
     epoch and its index), not from the stream of whichever worker or rank loads it: a resumed
-    run, on any number of ranks, draws what the interrupted one would have."""
+    run, on any number of ranks, draws what the interrupted one would have. (torch's
+    generator: an augmentation that draws from `random` or NumPy needs them seeded too.)"""
 
     dataset: Dataset
     # set before each iter(loader), which gives the workers a copy (not persistent_workers)
@@ -331,8 +331,9 @@ class ResumableSampler(DistributedSampler):
     """A DistributedSampler that can start part-way into an epoch. DistributedSampler deals
     every world_size-th index of one shuffled order to each rank, so s full steps of b images
     on W ranks use exactly the order's first s*b*W positions. A resume skips those and deals
-    the rest over the ranks it has now: nothing is loaded twice or skipped. From the top it
-    deals what DistributedSampler deals (padded with the order's head)."""
+    the rest over the ranks it has now: none is skipped, and none repeats but the padding
+    (the order's head, as DistributedSampler pads). From the top it deals what
+    DistributedSampler deals."""
 
     def set_position(self, epoch, start):
         self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
@@ -355,7 +356,7 @@ def build_model(args, num_classes):
     if args.norm == "group":  # no batch statistics: the same model however the batch is split
         kwargs["norm_layer"] = lambda channels: nn.GroupNorm(32, channels)
     model = torchvision.models.get_model(args.arch, num_classes=num_classes, **kwargs)
-    # GPUs: BatchNorm statistics over the global batch (DDP refuses it on the CPU):
+    # GPUs: BatchNorm statistics over the global batch (SyncBatchNorm refuses CPU tensors):
     # model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     return model
 
@@ -365,7 +366,7 @@ class TrainState:
     """What training changes as it goes, in one place, with state_dict() and load_state_dict()
     (torch.distributed.checkpoint's Stateful): what a checkpoint saves and a resume restores."""
 
-    model: nn.Module  # the plain model, not the DDP wrapper
+    model: nn.Module  # not the DDP wrapper
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler  # one-cycle: it steps with every step
     scaler: torch.amp.GradScaler  # fp16's loss scale; a no-op unless --amp fp16
@@ -395,7 +396,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
     started = time.perf_counter()
     sums = torch.zeros(3, device=d.device)  # loss sum, correct, images
     batches = iter(loader)
-    steps = len(loader) // args.accum_steps  # whole steps only: a partial one would not sync
+    steps = len(loader) // args.accum_steps  # whole steps: a partial one's gradients never sync
     for i in range(steps):
         step_sums = sums.new_zeros(3)  # the same, for this step alone
         # this step's random numbers (dropout) from the rank and the step, not main's seed:
@@ -408,7 +409,8 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum (static_graph=True must sync the first step: NOTES.md)
+            # all-reduces their sum, averaged over the ranks: with loss / K, the global
+            # batch's mean (static_graph=True must sync the first step: NOTES.md)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -542,11 +544,9 @@ class Phases:
     def __init__(self, d, timeout):
         self.d = d
         self.timeout = timeout
-        self.where = "start"
-        self.phase = None
+        self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
-        self.armed = False  # the watchdog: from the first step's end (it may compile), but
-        # on data loading from the start
+        self.armed = False  # the watchdog, but on data loading: from the first step's end
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
         self.events = []  # GPUs: CUDA events at each forward's start and end
