@@ -573,9 +573,8 @@ class Phases:
             yield batch
 
     def publish(self):
-        """The thread, once a second: the phase into the store when it changed, and the
-        watchdog, which counts its own seconds: a suspended job (scontrol suspend) is not
-        stuck."""
+        """The thread. Its watchdog counts the thread's own seconds: a suspended job
+        (scontrol suspend) is not stuck."""
         published = None
         since = still = 0  # the last phase's start when last seen; this thread's seconds since
         while not self.done:
@@ -801,7 +800,7 @@ def settings(args):
 def save(state, writer, args, d, identity):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
     rank) and the previous write must have finished; then rank 0 copies the state to the CPU
-    and a thread writes it while training goes on."""
+    for the Writer's thread."""
     finite = all(p.isfinite().all() for p in state.model.parameters())
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
     # rank 0 may still be writing the previous one (a slow disk wants a longer --timeout)
