@@ -158,13 +158,13 @@ def main(args):
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
+    hooks = (phases, after_step)  # for train_one_epoch
     losses = []
     with phases:  # forensics for the training loop
         while state.epoch < args.epochs:
             train_loader.sampler.set_position(state.epoch, state.position)  # from there on
             # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
             train_loader.dataset.epoch = state.epoch
-            hooks = (phases, after_step)
             loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, hooks)
             losses.append(loss)
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
@@ -622,10 +622,11 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's; NCCL's do not reach here: NOTES.md): rank 0's line ends
-        with each phase's ranks, read from the store it hosts in one round trip."""
+        """A failed collective (Gloo's, or NCCL's where one raises; a timed-out one does not:
+        NOTES.md): rank 0's line ends with each phase's ranks, read from the store it hosts in
+        one round trip."""
         self.done = True
-        if self.d.rank or not re.search("gloo/|pair closure", str(error)):
+        if self.d.rank or not re.search("gloo/|pair closure|NCCL", str(error)):
             return
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))

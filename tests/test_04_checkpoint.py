@@ -1038,6 +1038,26 @@ def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tm
         assert "in train_one_epoch" in r.stderr, r
 
 
+def test_an_nccl_error_on_rank_0_names_where_every_rank_was(tmp_path):
+    # torch 2.15's NCCL engine raises a failed collective as a RuntimeError ending "NCCL Last
+    # Error: ..." (raised here by hand in rank 0's step 2 forward, 2.5 s in, so that both
+    # phases are published, a busy machine's too; no GPU here). Rank 0's line is one line and
+    # ends with where each rank was, as after Gloo's errors; rank 1, in its backward, loses
+    # its peer.
+    failed = "NCCL AllReduce failed: unhandled cuda error \\nNCCL Last Error: Cuda failure"
+    indent = " " * 20
+    line = f"{indent}if d.rank == 0 and state.step == 2:\n{indent}    time.sleep(2.5)\n"
+    line += f"{indent}    raise RuntimeError('{failed}')\n"
+    script = inserted_copy(tmp_path / "nccl.py", SCRIPT, indent + "logits = model(images)\n", line)
+    r = forked(script, *STUCK, "--epochs", 1, "--checkpoint-dir", tmp_path / "ckpt", nproc=2)
+    r = r.failed()
+    ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
+    said = "[rank 0] error: RuntimeError: NCCL AllReduce failed: unhandled cuda error NCCL Last"
+    where = " Error: Cuda failure; where: rank 0: step 2, forward; rank 1: step 2, backward"
+    assert ours[0] == said + where and "gloo/" in ours[1], r
+    assert "Traceback" not in r.stderr, r
+
+
 @pytest.mark.parametrize(
     "launcher",
     ["forked", pytest.param("torchrun", marks=HANGS), pytest.param("spawn", marks=HANGS)],
