@@ -9,8 +9,8 @@ Run
   torchrun --nnodes 2 --nproc_per_node 4 --max-restarts 3 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
-Read it as `diff 03_ddp_train.py 04_checkpoint.py`: the same job plus four parts, each
-marked where its code is.
+Read it as `diff 03_ddp_train.py 04_checkpoint.py`: the same job plus four parts, each a
+section below, called from main() and the training loop.
 - Checkpoints: the training state is one object with state_dict() and load_state_dict();
   every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
   (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
@@ -472,18 +472,6 @@ def evaluate(model, loader, device):
     return all_reduce_metrics(sums)  # every rank, whatever its number of batches
 
 
-def log_metrics(args, state, **fields):
-    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate and
-    the fields. plot_metrics.py draws the learning curve from it."""
-    if args.metrics:
-        lr = state.scheduler.get_last_lr()[0]  # the next step's
-        try:
-            with open(args.metrics, "a") as f:
-                print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
-        except OSError as e:  # a full disk, say
-            raise SetupError(f"cannot write {args.metrics}: {e.strerror}") from None
-
-
 def verify_replicas_identical(model, d):
     """Every rank holds the same parameters and buffers: their sha256, compared across ranks."""
     tensors = model.state_dict().values()
@@ -500,7 +488,20 @@ def verify_replicas_identical(model, d):
     )
 
 
-# ---- preemption: a signal asks to stop, the ranks agree at a step boundary ---------------
+# ---- metrics: --metrics PATH, JSON lines for plot_metrics.py -----------------------------
+def log_metrics(args, state, **fields):
+    """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate and
+    the fields. plot_metrics.py draws the learning curve from it."""
+    if args.metrics:
+        lr = state.scheduler.get_last_lr()[0]  # the next step's
+        try:
+            with open(args.metrics, "a") as f:
+                print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
+        except OSError as e:  # a full disk, say
+            raise SetupError(f"cannot write {args.metrics}: {e.strerror}") from None
+
+
+# ---- stopping: a signal asks to stop, the ranks agree at a step boundary -----------------
 class Preemption:
     """A stop asked for by SIGTERM or SIGUSR1. The handler only sets a flag (no collective
     may run inside one); the ranks agree on it after every step."""
@@ -534,7 +535,7 @@ class Preemption:
         return signal.Signals(int(flag)) if flag else 0
 
 
-# ---- forensics: where each rank is, and which rank the others waited for ---------------
+# ---- forensics: where each rank is, and which rank the others waited for -----------------
 class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
     kept in memory. A thread puts the phase in the job's store once a second when it changed,
@@ -576,10 +577,10 @@ class Phases:
         """The thread. Its watchdog counts the thread's own seconds: a suspended job
         (scontrol suspend) is not stuck."""
         published = None
-        since = still = 0  # the last phase's start when last seen; this thread's seconds since
+        entered = still = 0  # when the phase seen last began; this thread's seconds in it
         while not self.done:
-            still = still + 1 if self.since == since else 0
-            since = self.since
+            still = still + 1 if self.since == entered else 0
+            entered = self.since
             if (self.armed or self.phase == "data") and still > self.timeout + 5:  # stuck
                 faulthandler.dump_traceback(all_threads=True)
                 for worker in mp.active_children():  # its DataLoader workers
@@ -600,7 +601,7 @@ class Phases:
         for, named when its seconds are over twice the median's and 0.1 s more. On GPUs the
         forward's time is the GPU's: the host only queues it."""
         if self.events:  # (the progress line's .tolist() waited for them)
-            ends = iter(self.events)  # start, end, start, end, ...
+            ends = iter(self.events)  # start, end, start, end, ...: zip() takes them in pairs
             self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(ends, ends)) / 1000
             self.events = []
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
@@ -892,7 +893,7 @@ def attempt_store(timeout):
         try:
             socket.create_connection((host, port), timeout=5).close()
             return dist.TCPStore(host, port, is_master=False, timeout=limit)
-        except OSError:  # refused: still the previous attempt's port
+        except OSError:  # refused: the key holds the last attempt's port (a restart)
             time.sleep(0.1)
     raise SetupError(f"rank 0 posted no live store within {timeout:g}s")
 
