@@ -19,7 +19,7 @@ Your own model and data: replace build_model() and build_datasets(). A job that 
 survive restarts and preemption: 04_checkpoint.py is this file plus what it needs.
 """
 
-from __future__ import annotations  # (annotations unevaluated: an old torch reaches launch())
+from __future__ import annotations  # (an old torch reaches launch()'s check)
 
 import argparse
 import atexit
@@ -58,7 +58,7 @@ AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}  # --amp's choices
 
 def main(args):
     d = setup(args.timeout)
-    # GPUs: cuDNN times its algorithms once per input shape and keeps the fastest
+    # GPUs: cuDNN times its algorithms once per input shape, keeps the fastest
     torch.backends.cudnn.benchmark = True
     train_set, val_set, num_classes = build_datasets(args)
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
@@ -74,9 +74,9 @@ def main(args):
     # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
-        # DDP's knobs, all left at their defaults; to change one, pass it as shown:
-        # bucket_cap_mb=25 (the default): gradients are all-reduced in buckets of about this
-        #   many MB, each once backward has filled it (communication overlaps computation);
+        # DDP's knobs, at their defaults; to change one, pass it here:
+        # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
+        #   once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
         #   error at the next step names this argument);
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
@@ -123,7 +123,7 @@ def main(args):
             write_atomic(args.save_model, buffer.getvalue())
         say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
         say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
-        if acc < 1.5 / num_classes:  # near chance (10% for 10 classes)
+        if acc < 1.5 / num_classes:  # under 1.5x chance
             say(f"{state.step} steps may be too few: more --epochs or a smaller --batch-size")
         say(f"verified: {verified}")
 
@@ -188,7 +188,7 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # without --workers: none on the CPU (the cores train), else this process's cores, <= 8
+    # default workers: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -196,14 +196,15 @@ def make_loaders(args, d, train_set, val_set):
     train_loader = DataLoader(
         train_set,
         args.batch_size,
-        # this rank's shard of a shuffled order
+        # this rank's shard of a shuffled order, padded: every rank gets as many batches, as
+        # DDP needs (each all-reduce waits for every rank)
         sampler=DistributedSampler(train_set),
         num_workers=workers,
         pin_memory=cuda,  # page-locked: copies to the GPU run async
         drop_last=True,  # full batches only (a batch of one image can fail BatchNorm)
     )
     # Validation: rank r takes samples r, r+W, r+2W, ...: each counts once (DistributedSampler
-    # would repeat some; 05_eval_gather.py shows the cost)
+    # would repeat some: 05_eval_gather.py)
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
     val_loader = DataLoader(val_shard, args.batch_size, num_workers=workers, pin_memory=cuda)
     return train_loader, val_loader
@@ -421,9 +422,8 @@ def build_parser():
 
 
 def output_file(text):
-    """An argparse type for a file the job writes: not a folder, and in a folder it can
-    create files in (write and search permission), so that a bad path ends the run before
-    any work is done."""
+    """An argparse type for a file the job writes: not a folder, and in a folder it may write
+    in, so that a bad path ends the run before any work is done."""
     path = Path(text)
     if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")

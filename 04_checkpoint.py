@@ -31,7 +31,7 @@ section below, called from main() and the training loop.
   steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
 """
 
-from __future__ import annotations  # (annotations unevaluated: an old torch reaches launch())
+from __future__ import annotations  # (an old torch reaches launch()'s check)
 
 import argparse
 import atexit
@@ -105,9 +105,9 @@ def main(args):
     # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
-        # DDP's knobs, all left at their defaults; to change one, pass it as shown:
-        # bucket_cap_mb=25 (the default): gradients are all-reduced in buckets of about this
-        #   many MB, each once backward has filled it (communication overlaps computation);
+        # DDP's knobs, at their defaults; to change one, pass it here:
+        # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
+        #   once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
         #   error at the next step names this argument);
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
@@ -199,7 +199,7 @@ def main(args):
         else:
             say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
-            if acc < 1.5 / num_classes:  # near chance (10% for 10 classes)
+            if acc < 1.5 / num_classes:  # under 1.5x chance
                 say(f"{state.step} steps may be too few: more --epochs or a smaller --batch-size")
         say(f"verified: {verified}")
 
@@ -275,7 +275,7 @@ def load_image(path):
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # without --workers: none on the CPU (the cores train), else this process's cores, <= 8
+    # default workers: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -283,7 +283,8 @@ def make_loaders(args, d, train_set, val_set):
     train_loader = DataLoader(
         SeededAugmentation(train_set),
         args.batch_size,
-        # this rank's shard of a shuffled order
+        # this rank's shard of a shuffled order, padded: every rank gets as many batches, as
+        # DDP needs (each all-reduce waits for every rank)
         sampler=ResumableSampler(train_set),
         num_workers=workers,
         worker_init_fn=quiet_worker,  # a stop is the rank's to make
@@ -291,7 +292,7 @@ def make_loaders(args, d, train_set, val_set):
         drop_last=True,  # full batches only (a batch of one image can fail BatchNorm)
     )
     # Validation: rank r takes samples r, r+W, r+2W, ...: each counts once (DistributedSampler
-    # would repeat some; 05_eval_gather.py shows the cost)
+    # would repeat some: 05_eval_gather.py)
     val_shard = Subset(val_set, range(d.rank, len(val_set), d.world_size))
     val_loader = DataLoader(
         val_shard,
@@ -403,7 +404,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # a resumed run draws what the interrupted one would have, with no state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
         for k in range(args.accum_steps):
-            phases.enter(state.step, "data")  # (noted in memory: no I/O)
+            phases.enter(state.step, "data")  # (in memory: no I/O)
             images, labels = next(batches)
             phases.enter(state.step, "forward")  # from the copies to the device
             images = images.to(d.device, non_blocking=True)
@@ -547,7 +548,7 @@ class Phases:
         self.timeout = timeout
         self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
-        self.armed = False  # the watchdog, but on data loading: from the first step's end
+        self.armed = False  # the watchdog (but on data): from the first step's end
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
         self.events = []  # GPUs: CUDA events at each forward's start and end
@@ -1020,9 +1021,8 @@ def build_parser():
 
 
 def output_file(text):
-    """An argparse type for a file the job writes: not a folder, and in a folder it can
-    create files in (write and search permission), so that a bad path ends the run before
-    any work is done."""
+    """An argparse type for a file the job writes: not a folder, and in a folder it may write
+    in, so that a bad path ends the run before any work is done."""
     path = Path(text)
     if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")

@@ -364,9 +364,8 @@ def parse_args(argv=None):
 
 
 def output_file(text):
-    """An argparse type for a file the job writes: not a folder, and in a folder it can
-    create files in (write and search permission), so that a bad path ends the run before
-    any work is done."""
+    """An argparse type for a file the job writes: not a folder, and in a folder it may write
+    in, so that a bad path ends the run before any work is done."""
     path = Path(text)
     if path.is_dir() or not os.access(path.parent, os.W_OK | os.X_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text}: not a file in a writable folder")
