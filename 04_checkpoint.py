@@ -420,7 +420,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
                 # backward, with the gradient all-reduce (it waits for the slowest rank)
                 phases.enter(state.step, "backward")
                 state.scaler.scale(loss / args.accum_steps).backward()
-            # running sums stay on the device: no wait for the GPU
+            # running sums stay on the device: no GPU wait
             step_sums[0] += loss.detach() * len(labels)
             step_sums[1] += (logits.argmax(1) == labels).sum()
             step_sums[2] += len(labels)
@@ -478,7 +478,7 @@ def verify_replicas_identical(model, d):
     tensors = model.state_dict().values()
     sha = hashlib.sha256()
     for t in tensors:
-        sha.update(t.cpu().numpy().tobytes())
+        sha.update(t.cpu().double().numpy().tobytes())  # (NumPy has no bfloat16)
     digest = sha.hexdigest()
     digests = [None] * d.world_size
     dist.all_gather_object(digests, digest)

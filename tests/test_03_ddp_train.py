@@ -20,6 +20,7 @@ from launch import (
     VIEW,
     edited_copy,
     forked,
+    inserted_copy,
     load_script,
     run,
 )
@@ -87,6 +88,21 @@ def test_default_training_under_torchrun_learns_and_replicas_match():
     assert_trained(r.stdout, 2)
     val = re.findall(r"val loss [\d.]+ acc ([\d.]+)% on 128 images", r.stdout)
     assert len(val) == 2  # every validation image counted once, across both ranks
+
+
+def test_a_bfloat16_model_is_verified_and_saved(tmp_path):
+    # A model in bfloat16 (model.to(torch.bfloat16), as fine-tuning often casts it): the
+    # replica check hashed each tensor's .numpy(), which NumPy refuses for bfloat16, so the
+    # run ended with a traceback after training and before --save-model. (Cast here after
+    # training, where the check begins.) Its values are hashed as float64, exactly.
+    anchor = "    verified = verify_replicas_identical(model, d)\n"
+    cast = "    model.to(torch.bfloat16)\n"
+    script = inserted_copy(tmp_path / "bf16.py", SCRIPT, anchor, cast)
+    saved = tmp_path / "model.pt"
+    r = forked(script, *TINY, "--save-model", saved, nproc=2).ok()
+    assert r.stdout.splitlines()[-1].startswith("verified: 2 rank(s) hold identical"), r
+    weights = torch.load(saved, weights_only=True)
+    assert weights["fc.weight"].dtype == torch.bfloat16
 
 
 def test_a_run_that_learns_nothing_says_its_steps_may_be_too_few():

@@ -41,7 +41,7 @@ MAX_SHARED_WORDS = 500  # prose: words in comments and docstrings
 MAX_TOKENS = {
     "01_init_methods.py": 2300,
     "02_sampler.py": 1900,
-    "03_ddp_train.py": 3095,  # (#49: 3,000)
+    "03_ddp_train.py": 3099,  # (#49: 3,000)
     "05_eval_gather.py": 3000,
     "06_join_uneven.py": 2700,
 }
