@@ -15,9 +15,9 @@ section below, called from main() and the training loop.
   every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
   (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
   every rank carries on from it, with the same data order, augmentations and random numbers:
-  on as many ranks, the weights end bit for bit those of an uninterrupted run (GPUs too, on
-  the same nodes: cuDNN and cuBLAS are made deterministic; NVSwitch: NOTES.md). A
-  resume may change the world size, --epochs, --batch-size and --accum-steps: the data
+  on as many ranks (1 or 2: NOTES.md), the weights end bit for bit those of an uninterrupted
+  run (GPUs too, on the same nodes: deterministic cuDNN and cuBLAS; NVSwitch: NOTES.md).
+  A resume may change the world size, --epochs, --batch-size and --accum-steps: the data
   position stays exact (with the global batch held and --norm group, the weights agree to
   rounding), the schedule is rebuilt. When a rank dies under torchrun --max-restarts, all
   restart and resume on their own.
@@ -82,15 +82,15 @@ def main(args):
     # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.deterministic = True
-    # NCCL's flight recorder (on by default from torch 2.11): its dumps after a timeout go
-    # beside the checkpoints
+    # NCCL's flight recorder (on by default from torch 2.11) dumps beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
     # under torchrun's agent's store (torch 2.15), one of our own per attempt
     d = setup(args.timeout, store=attempt_store(args.timeout))
-    phases = Phases(d, args.timeout)  # forensics: where this rank is, and its seconds there
+    phases = Phases(d, args.timeout)  # forensics: this rank's phase and seconds
     train_set, val_set, num_classes = build_datasets(args)
-    # rank 0 checks it against a checkpoint, and saves it in each
-    identity = settings(args) | {"images": data_identity(args, train_set)}
+    # SAME_ON_RESUME's options and the data: checked against a checkpoint, saved in each
+    identity = {f"--{k.replace('_', '-')}": str(getattr(args, k)) for k in SAME_ON_RESUME}
+    identity["images"] = data_identity(args, train_set)
     checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)  # rank 0 locks, picks
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
@@ -125,8 +125,9 @@ def main(args):
     state = TrainState(model, optimizer, scheduler, scaler)
     if checkpoint:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-        checkpoint = checkpoint[0]  # its path: its contents (on each CPU) can go
+        checkpoint = checkpoint[0]  # its path: its contents can go
     writer = Writer()
+    atexit.register(writer.join)  # (run_rank runs atexit's hooks)
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
@@ -545,7 +546,7 @@ class Phases:
 
     def __init__(self, d, timeout):
         self.d = d
-        self.timeout = timeout
+        self.limit = timeout + 5  # the watchdog's
         self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
         self.armed = False  # the watchdog (but on data): from the first step's end
@@ -582,7 +583,7 @@ class Phases:
         while not self.done:
             still = still + 1 if self.since == entered else 0
             entered = self.since
-            if (self.armed or self.phase == "data") and still > self.timeout + 5:  # stuck
+            if (self.armed or self.phase == "data") and still > self.limit:  # stuck
                 faulthandler.dump_traceback(all_threads=True)
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
@@ -683,8 +684,8 @@ def lock(folder):
     try:
         folder.mkdir(parents=True, exist_ok=True)
         tempfile.TemporaryFile(dir=folder).close()
-        # the file stays open, and locked, until this process exits
-        fcntl.flock(
+        # held until this process exits (lockf: its forked workers do not inherit it)
+        fcntl.lockf(
             os.open(folder / ".lock", os.O_RDWR | os.O_CREAT), fcntl.LOCK_EX | fcntl.LOCK_NB
         )
     except BlockingIOError:
@@ -795,18 +796,13 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
             )
 
 
-def settings(args):
-    """The options in SAME_ON_RESUME, as text: {"--lr": "0.05", ...}."""
-    return {f"--{name.replace('_', '-')}": str(getattr(args, name)) for name in SAME_ON_RESUME}
-
-
 def save(state, writer, args, d, identity):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
     rank) and the previous write must have finished; then rank 0 copies the state to the CPU
     for the Writer's thread."""
     finite = all(p.isfinite().all() for p in state.model.parameters())
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
-    # rank 0 may still be writing the previous one (a slow disk wants a longer --timeout)
+    # rank 0 may still be writing the last one (slow disk: a longer --timeout)
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict() | {
@@ -814,13 +810,16 @@ def save(state, writer, args, d, identity):
             "global_batch": d.world_size * args.batch_size * args.accum_steps,
             "args": identity,
         }
-        writer.start(cpu_copy(saved), args.checkpoint_dir / f"step-{state.step:08d}.pt", args.keep)
+        path = args.checkpoint_dir / f"step-{state.step:08d}.pt"
+        writer.thread = threading.Thread(
+            target=writer.write, args=(cpu_copy(saved), path, args.keep)
+        )
+        writer.thread.start()
 
 
 def cpu_copy(value):
-    """A state_dict with every tensor copied to the CPU: the writer's own, which training
-    cannot change under it (CPU tensors too). An optimizer that keeps lists of tensors
-    (LBFGS) needs lists: NOTES.md."""
+    """A state_dict with every tensor copied to the CPU, the writer's alone: training goes on
+    changing its own (CPU tensors too). Lists of tensors (LBFGS): NOTES.md."""
     if isinstance(value, dict):
         return {k: cpu_copy(v) for k, v in value.items()}
     if isinstance(value, torch.Tensor):
@@ -829,15 +828,10 @@ def cpu_copy(value):
 
 
 class Writer:
-    """Rank 0's thread that writes one checkpoint while training goes on. finish() waits for
-    it; then every rank raises its error, if any, so that none trains on alone."""
+    """Rank 0's thread (save() starts it) that writes one checkpoint while training goes on."""
 
     thread = None  # the write under way, if any
     error = None  # how the last write failed, if it did
-
-    def start(self, snapshot, path, keep):
-        self.thread = threading.Thread(target=self.write, args=(snapshot, path, keep))
-        self.thread.start()
 
     def write(self, snapshot, path, keep):
         """The thread: the file, then its sha256 (each atomically; the sha256 marks the
@@ -855,10 +849,16 @@ class Writer:
         except Exception as e:  # noqa: BLE001 - any: finish() reports it on every rank
             self.error = f"rank 0 could not write a checkpoint: {e}"
 
-    def finish(self):
-        """Every rank: rank 0 waits for its write; all raise its error, if any."""
+    def join(self):
+        """Rank 0 waits for the write under way, if any; also when the rank ends, on an error
+        too."""
         if self.thread:
             self.thread.join()
+
+    def finish(self):
+        """Every rank: rank 0 waits for its write; all raise its error, if any, so that none
+        trains on alone."""
+        self.join()
         error = [self.error]
         dist.broadcast_object_list(error, src=0)
         if error[0]:

@@ -507,6 +507,49 @@ def test_a_write_slower_than_the_timeout_is_named_by_rank_0(tmp_path):
     assert (folder / "step-00000003.pt.sha256").read_text() == f"{digest}  {saved.name}\n", r
 
 
+def test_the_folder_lock_is_not_held_by_a_dead_rank_0s_forked_workers(tmp_path):
+    # flock's lock belongs to the open file, which forked DataLoader workers share: a rank 0
+    # that died while a worker lived on (workers ignore SIGTERM and end when they notice
+    # their parent gone) kept DIR/.lock, and a fast torchrun restart was refused ("another
+    # job holds"). lockf's belongs to the process: the restart's rank 0 takes it at once.
+    take = (
+        f"import sys, pathlib; sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+        f"from launch import load_script\n"
+        f"load_script({SCRIPT!r}).lock(pathlib.Path({str(tmp_path)!r}))\n"
+    )
+    dies = take + (  # rank 0 locks, forks a worker that lives on, and ends
+        "import os, time\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os.close(1), os.close(2)\n"
+        "    time.sleep(60)\n"
+        "print(pid)\n"
+    )
+    rank0 = subprocess.run([sys.executable, "-c", dies], capture_output=True, text=True, timeout=30)
+    worker = int(rank0.stdout)  # alive, asleep, the lock file open
+    try:
+        again = subprocess.run([sys.executable, "-c", take], capture_output=True, timeout=30)
+        assert (again.returncode, again.stderr) == (0, b""), again
+    finally:
+        os.kill(worker, signal.SIGKILL)
+
+
+def test_a_checkpoint_being_written_when_a_peer_dies_is_finished(tmp_path):
+    # Rank 0's thread takes 3 s to write step 3's checkpoint (a slow disk) and rank 1 dies at
+    # step 4. Rank 0's next collective fails and it ends, but it finishes the write first
+    # (Writer.join, an exit hook that run_rank runs): a restart resumes from step 3. Until
+    # session 22 os._exit cut the thread, leaving a temporary file and no step 3.
+    script = slow_disk_copy(tmp_path, 3)
+    folder = tmp_path / "ckpt"
+    args = [*SMALL, "--checkpoint-dir", folder, "--simulate-failure", 4]
+    r = forked(script, *args, nproc=2).failed()
+    assert re.search(r"^\[rank 0\] error: .*gloo/", r.stderr, re.M), r
+    saved = folder / "step-00000003.pt"
+    digest = hashlib.sha256(saved.read_bytes()).hexdigest()
+    assert (folder / "step-00000003.pt.sha256").read_text() == f"{digest}  {saved.name}\n", r
+    assert not list(folder.glob(".step-*.tmp*")), r
+
+
 def test_two_nodes_recover_when_only_one_agent_counts_the_restart(tmp_path, reference):
     # Two torchrun agents, one worker each. Rank 1's worker is killed; its agent counts a
     # restart (TORCHELASTIC_RESTART_COUNT=1). Rank 0's worker is frozen meanwhile, so its
