@@ -750,12 +750,15 @@ def read_checkpoint(path):
         raise SetupError(
             f"{path.name}: sha256 mismatch ({len(data)} bytes): truncated or corrupted"
         )
-    # Onto the CPU (load_state_dict copies each tensor to its parameter's device), and
-    # weights_only: tensors and plain containers only, no code runs.
-    saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    if not isinstance(saved, dict) or "args" not in saved:  # another script's, say
-        raise SetupError(f"{path.name}: not a checkpoint of this script")
-    return saved
+    # Onto the CPU (load_state_dict copies each tensor to its parameter's device);
+    # weights_only: tensors and plain containers, no code runs.
+    try:
+        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        if "args" in saved:
+            return saved
+    except Exception:  # weights_only refused a class
+        pass
+    raise SetupError(f"{path.name}: not a checkpoint of this script")
 
 
 def marker(path):

@@ -5,6 +5,7 @@ run in the background; the folder is locked, checked and read by number."""
 from __future__ import annotations
 
 import ast
+import fractions
 import hashlib
 import json
 import os
@@ -640,15 +641,21 @@ def test_a_folder_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     torch.save({"weights": torch.zeros(3)}, foreign)
     digest = hashlib.sha256(foreign.read_bytes()).hexdigest()
     (tmp_path / "step-00000030.pt.sha256").write_text(f"{digest}  step-00000030.pt\n")
+    # a pickle that weights_only refuses (a Fraction): rank 0 ended with a traceback
+    refused = tmp_path / "step-00000040.pt"
+    torch.save({"args": {}, "lr": fractions.Fraction(1, 3)}, refused)
+    digest = hashlib.sha256(refused.read_bytes()).hexdigest()
+    (tmp_path / "step-00000040.pt.sha256").write_text(f"{digest}  step-00000040.pt\n")
     r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).failed()
     reasons = (
+        "step-00000040.pt: not a checkpoint of this script; "
         "step-00000030.pt: not a checkpoint of this script; step-00000020.pt: no "
         "step-00000020.pt.sha256: the save did not finish; step-00000010.pt: sha256 mismatch "
         "(14 bytes): truncated or corrupted"
     )
     for rank in (0, 1):  # every rank reaches the same verdict
         assert (
-            f"[rank {rank}] error: {tmp_path} holds 3 checkpoint(s) and none is readable "
+            f"[rank {rank}] error: {tmp_path} holds 4 checkpoint(s) and none is readable "
             f"({reasons}). Move them away to start over"
         ) in r.stderr, r
     assert "step 0" not in r.stdout  # it did not start from scratch
