@@ -74,7 +74,7 @@ def main(args):
     # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
-        # DDP's knobs, at their defaults; to change one, pass it here:
+        # DDP's knobs, none passed (defaults); to change one, pass it here:
         # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
         #   once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
@@ -83,7 +83,7 @@ def main(args):
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
     # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
-    # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
+    # evaluation reads) to every rank at each forward, a collective each; the epoch loop
     # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)

@@ -105,7 +105,7 @@ def main(args):
     # here DDP copies rank 0's weights and buffers to every rank
     ddp_model = DDP(
         model,
-        # DDP's knobs, at their defaults; to change one, pass it here:
+        # DDP's knobs, none passed (defaults); to change one, pass it here:
         # bucket_cap_mb=25: gradients are all-reduced in buckets of about this many MB, each
         #   once backward has filled it (communication overlaps computation);
         # find_unused_parameters=True: some parameters get no gradient in a step (DDP's
@@ -114,7 +114,7 @@ def main(args):
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
     # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
-    # evaluation reads) to every rank at each forward, a collective per step; the epoch loop
+    # evaluation reads) to every rank at each forward, a collective each; the epoch loop
     # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
     ddp_model.broadcast_buffers = False
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -181,7 +181,7 @@ def main(args):
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
                 say(f"  val loss {val_loss:.4f} acc {val_acc:.1%} on {val_count:.0f} images")
-                if val_count == len(val_set):  # not cut short (nor redone after a resume)
+                if val_count == len(val_set):  # not cut short by a stop
                     log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
             state.epoch += 1
             state.position = 0
@@ -564,7 +564,9 @@ class Phases:
         self.since = now
         self.phase = phase
         self.where = f"step {step}, {phase}"
-        if phase in ("forward", "backward") and self.d.device.type == "cuda":
+        # (at most 1,000 forwards a progress line)
+        timed = phase in ("forward", "backward") and len(self.events) < 2000
+        if timed and self.d.device.type == "cuda":
             event = torch.cuda.Event(enable_timing=True)
             event.record()  # in the GPU's queue
             self.events.append(event)
@@ -629,7 +631,7 @@ class Phases:
         NOTES.md): rank 0's line ends with each phase's ranks, read from the store it hosts in
         one round trip."""
         self.done = True
-        if self.d.rank or not re.search("gloo/|pair closure|NCCL", str(error)):
+        if self.d.rank or not re.search("gloo/|pair closure|NCCL Last Error", str(error)):
             return
         try:
             self.store.set_timeout(datetime.timedelta(seconds=5))

@@ -561,7 +561,7 @@ UNUSED, COMPILE, SYNC_BN = "unused layer", "compiled", "SyncBatchNorm"
 FLOAT64 = {"PYTHONPATH": str(REPO / "tests" / "float64")}
 STATIC, FIND = "static_graph=True", "find_unused_parameters=True"
 VIEW, SMALL_BUCKETS = "gradient_as_bucket_view=True", "bucket_cap_mb=1"
-DDP_ARGUMENT = "\n        # DDP's knobs, at their defaults"  # 03 lists them there
+DDP_ARGUMENT = "\n        # DDP's knobs, none passed"  # 03 lists them there
 STATIC_FIRST_STEP = [  # (03's line, NOTES.md's)
     ("for _ in range(steps):", "for i in range(steps):"),
     (
