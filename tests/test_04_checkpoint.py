@@ -536,11 +536,11 @@ def test_the_folder_lock_is_not_held_by_a_dead_rank_0s_forked_workers(tmp_path):
 
 
 def test_a_checkpoint_being_written_when_a_peer_dies_is_finished(tmp_path):
-    # Rank 0's thread takes 3 s to write step 3's checkpoint (a slow disk) and rank 1 dies at
+    # Rank 0's thread takes 2 s to write step 3's checkpoint (a slow disk) and rank 1 dies at
     # step 4. Rank 0's next collective fails and it ends, but it finishes the write first
     # (Writer.join, an exit hook that run_rank runs): a restart resumes from step 3. Until
     # session 22 os._exit cut the thread, leaving a temporary file and no step 3.
-    script = slow_disk_copy(tmp_path, 3)
+    script = slow_disk_copy(tmp_path, 2)
     folder = tmp_path / "ckpt"
     args = [*SMALL, "--checkpoint-dir", folder, "--simulate-failure", 4]
     r = forked(script, *args, nproc=2).failed()
@@ -1032,7 +1032,7 @@ STUCK = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size
     "case, launcher",
     [
         ("data", "forked"),
-        ("forward", "forked"),
+        pytest.param("forward", "forked", marks=HANGS),  # (the default suite's time)
         pytest.param("forward", "torchrun", marks=HANGS),
         pytest.param("data", "torchrun", marks=HANGS),
         pytest.param("data", "spawn", marks=HANGS),
