@@ -136,17 +136,14 @@ def main(args):
             f"{args.accum_steps} accum per rank"
         )
 
-    def after_step(last, due=False):
-        """Every rank, after each step and at each epoch's end: --simulate-failure; a save
-        every --save-every steps and at each epoch's end (due); a stop if any rank was asked,
-        saved first. The epoch's last step (last) leaves both to the epoch's end, after its
-        validation; after the last epoch, nothing is left to stop."""
+    def after_step(due=False):
+        """Every rank, after each step (an epoch's last: after its validation): --simulate-failure;
+        a save every --save-every steps and at an epoch's end (due); a stop if any rank was
+        asked, saved first (after the last epoch, nothing is left to stop)."""
         phases.armed = True
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not checkpoint:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
-        if last:
-            return
         stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0
         if stop or due or state.step % args.save_every == 0:
             phases.enter(state.step, "save")
@@ -171,8 +168,8 @@ def main(args):
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-            # cut short by a stop (a scheduler's grace is often 30 s; ranks may stop at other
-            # batches: evaluate's one all-reduce does not mind), but for the last epoch's
+            # a stop cuts validation short (a scheduler's grace is often 30 s; ranks may stop
+            # at other batches: evaluate's one all-reduce does not mind), but the last one's
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
@@ -185,7 +182,7 @@ def main(args):
                     log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
             state.epoch += 1
             state.position = 0
-            after_step(last=False, due=True)  # every rank
+            after_step(due=True)  # every rank
         writer.finish()  # the last write is on disk (or all stop on its error)
         verified = verify_replicas_identical(model, d)
 
@@ -332,10 +329,9 @@ class SeededAugmentation(Dataset):
 class ResumableSampler(DistributedSampler):
     """A DistributedSampler that can start part-way into an epoch. DistributedSampler deals
     every world_size-th index of one shuffled order to each rank, so s full steps of b images
-    on W ranks use exactly the order's first s*b*W positions. A resume skips those and deals
-    the rest over the ranks it has now: none is skipped, and none repeats but the padding
-    (the order's head, as DistributedSampler pads). From the top it deals what
-    DistributedSampler deals."""
+    on W ranks use exactly the order's first s*b*W positions. A resume deals the rest over
+    the ranks it has now: none is skipped, none repeats but the padding (the order's head,
+    as DistributedSampler pads)."""
 
     def set_position(self, epoch, start):
         self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
@@ -445,7 +441,8 @@ def train_one_epoch(model, loader, state, args, d, hooks):
                     f"  loss {step_loss:.4f}  acc {step_acc:6.1%}{slowest}"
                 )
                 log_metrics(args, state, loss=step_loss, acc=step_acc, rank_seconds=seconds)
-        after_step(last=i == steps - 1)  # every rank
+        if i < steps - 1:  # (the last: main's, after validation)
+            after_step()  # every rank
     loss, acc, images = all_reduce_metrics(sums)  # the whole epoch: every rank's
     return loss, acc, images / (time.perf_counter() - started)  # (.tolist() waited for the GPU)
 
@@ -521,8 +518,7 @@ class Preemption:
     def agreed(self, device):
         """Every rank, at the same step: the signal any rank was asked to stop by, or 0. It
         sends this step's flags (their MAX, in an all-reduce) and returns the last step's,
-        the same on every rank: long arrived, so no rank waits here for a slower one. A stop
-        comes a step later."""
+        long arrived: no rank waits here for a slower one, and a stop comes a step later."""
         flag = torch.full([1], self.asked, device=device)  # (no copy, no wait)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
@@ -540,9 +536,9 @@ class Preemption:
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
 class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
-    kept in memory. A thread puts the phase in the job's store once a second when it changed,
-    and ends a rank stuck in one phase for --timeout + 5 s, with its stacks and a line.
-    Within `with phases:`, rank 0's line says where every rank was when a collective failed."""
+    in memory. A thread puts the phase in the job's store once a second if it changed, and ends a rank stuck
+    in one phase for --timeout + 5 s, with its stacks and a line. Within `with phases:`, rank
+    0's line says where every rank was when a collective failed."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -567,9 +563,8 @@ class Phases:
         # (at most 1,000 forwards a progress line)
         timed = phase in ("forward", "backward") and len(self.events) < 2000
         if timed and self.d.device.type == "cuda":
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()  # in the GPU's queue
-            self.events.append(event)
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()  # in the GPU's queue
 
     def each(self, batches, step, phase):
         """The batches, each entering the phase: a long evaluation is progress too."""
@@ -603,10 +598,10 @@ class Phases:
         """Every rank, at a progress line: the 3 slowest ranks' [data, forward] seconds since
         the last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
         for, named when its seconds are over twice the median's and 0.1 s more. On GPUs the
-        forward's time is the GPU's: the host only queues it."""
+        forward's time is the GPU's."""
         if self.events:  # (the progress line's .tolist() waited for them)
-            ends = iter(self.events)  # start, end, start, end, ...: zip() takes them in pairs
-            self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(ends, ends)) / 1000
+            starts, ends = self.events[::2], self.events[1::2]
+            self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(starts, ends)) / 1000
             self.events = []
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
         table[self.d.rank] = torch.tensor(list(self.seconds.values()))  # [data, forward]
@@ -616,8 +611,9 @@ class Phases:
         top = before.argsort(descending=True)[:3].tolist()
         logged = {rank: table[rank].tolist() for rank in top}  # not all: 8,192 ranks, say
         rank = top[0]
-        excess = before[rank] - before.median()
-        if before[rank] < 2 * before.median() or excess < 0.1:
+        median = before.median()
+        excess = before[rank] - median
+        if excess < max(median, 0.1):
             return logged, ""
         in_data, in_forward = table[rank] - table.median(0).values
         phase = "data" if in_data > in_forward else "forward"
@@ -628,8 +624,8 @@ class Phases:
 
     def __exit__(self, kind, error, trace):
         """A failed collective (Gloo's, or NCCL's where one raises; a timed-out one does not:
-        NOTES.md): rank 0's line ends with each phase's ranks, read from the store it hosts in
-        one round trip."""
+        NOTES.md): rank 0's line ends with where every rank was, read from the store it hosts
+        in one round trip."""
         self.done = True
         if self.d.rank or not re.search("gloo/|pair closure|NCCL Last Error", str(error)):
             return
@@ -639,25 +635,13 @@ class Phases:
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
         except Exception:  # a rank that never published: no line of phases
             return
-        by_phase = {}  # phase: its ranks
-        for rank, phase in enumerate(phases):
-            by_phase.setdefault(phase, []).append(rank)
-        # "rank 2: step 5, data; ranks 0-1, 3-7: step 5, backward": the odd ones out first
-        groups = sorted(by_phase.items(), key=lambda group: len(group[1]))
-        where = "; ".join(f"{spans(ranks)}: {phase}" for phase, ranks in groups)
-        raise SetupError(f"{kind.__name__}: {str(error).strip()}; where: {where}") from error
-
-
-def spans(ranks):
-    """Ascending ranks as text: [2] as "rank 2", [0, 1, 2, 5, 7, 8] as "ranks 0-2, 5, 7-8"."""
-    runs = []  # [first, last] of each run of consecutive ranks
-    for rank in ranks:
-        if runs and runs[-1][1] == rank - 1:
-            runs[-1][1] = rank
-        else:
-            runs.append([rank, rank])
-    text = ", ".join(f"{a}" if a == b else f"{a}-{b}" for a, b in runs)
-    return f"rank {text}" if len(ranks) == 1 else f"ranks {text}"
+        # "rank 2: step 5, data; the others: step 5, backward" (the commonest phase last)
+        common = max(sorted(set(phases)), key=phases.count)
+        where = [f"rank {rank}: {phase}" for rank, phase in enumerate(phases) if phase != common]
+        where.append(f"{'the others' if where else 'every rank'}: {common}")
+        raise SetupError(
+            f"{kind.__name__}: {str(error).strip()}; where: {'; '.join(where)}"
+        ) from error
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
@@ -803,8 +787,8 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
 
 def save(state, writer, args, d, identity):
     """Every rank, at the same step: the weights are checked finite (the same verdict on every
-    rank) and the previous write must have finished; then rank 0 copies the state to the CPU
-    for the Writer's thread."""
+    rank) and the previous write must have finished; then rank 0 serialises the state, and
+    the Writer's thread writes the bytes while training goes on."""
     finite = all(p.isfinite().all() for p in state.model.parameters())
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
     # rank 0 may still be writing the last one (slow disk: a longer --timeout)
@@ -815,21 +799,13 @@ def save(state, writer, args, d, identity):
             "global_batch": d.world_size * args.batch_size * args.accum_steps,
             "args": identity,
         }
+        buffer = io.BytesIO()
+        torch.save(saved, buffer)
         path = args.checkpoint_dir / f"step-{state.step:08d}.pt"
         writer.thread = threading.Thread(
-            target=writer.write, args=(cpu_copy(saved), path, args.keep)
+            target=writer.write, args=(buffer.getvalue(), path, args.keep)
         )
         writer.thread.start()
-
-
-def cpu_copy(value):
-    """A state_dict with every tensor copied to the CPU, the writer's alone: training goes on
-    changing its own (CPU tensors too). Lists of tensors (LBFGS): NOTES.md."""
-    if isinstance(value, dict):
-        return {k: cpu_copy(v) for k, v in value.items()}
-    if isinstance(value, torch.Tensor):
-        return value.to("cpu", copy=True)
-    return value
 
 
 class Writer:
@@ -838,13 +814,10 @@ class Writer:
     thread = None  # the write under way, if any
     error = None  # how the last write failed, if it did
 
-    def write(self, snapshot, path, keep):
+    def write(self, data, path, keep):
         """The thread: the file, then its sha256 (each atomically; the sha256 marks the
         checkpoint finished), then all but the newest keep deleted."""
         try:
-            buffer = io.BytesIO()
-            torch.save(snapshot, buffer)
-            data = buffer.getvalue()
             write_atomic(path, data)
             write_atomic(
                 marker(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode()
