@@ -82,9 +82,9 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
-    # evaluation reads) to every rank at each forward, a collective each; the epoch loop
-    # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
+    # DDP copies rank 0's buffers (BatchNorm's running statistics, which only evaluation
+    # reads) to every rank at each forward, a collective each; the epoch loop does it once,
+    # before evaluating. Not DDP(broadcast_buffers=False): that skips the first copy too.
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)

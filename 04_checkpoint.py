@@ -12,11 +12,11 @@ Run
 Read it as `diff 03_ddp_train.py 04_checkpoint.py`: the same job plus four parts, each a
 section below, called from main() and the training loop.
 - Checkpoints: the training state is one object with state_dict() and load_state_dict();
-  every --save-every steps and at each epoch's end rank 0 copies it and a thread writes it
-  (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
+  every --save-every steps and at each epoch's end rank 0 serialises it and a thread writes
+  it (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
   every rank carries on from it, with the same data order, augmentations and random numbers:
-  on as many ranks (1 or 2: NOTES.md), the weights end bit for bit those of an uninterrupted
-  run (GPUs too, on the same nodes: deterministic cuDNN and cuBLAS; NVSwitch: NOTES.md).
+  on the same 1 or 2 ranks the weights end bit for bit those of an uninterrupted run (GPUs
+  too, on the same nodes; more ranks, NVSwitch: NOTES.md).
   A resume may change the world size, --epochs, --batch-size and --accum-steps: the data
   position stays exact (with the global batch held and --norm group, the weights agree to
   rounding), the schedule is rebuilt. When a rank dies under torchrun --max-restarts, all
@@ -79,8 +79,10 @@ SAME_ON_RESUME = "arch norm image_size lr amp".split()
 
 def main(args):
     preemption = Preemption()  # SIGTERM or SIGUSR1 from here on: a preemption
-    # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts)
+    # bit for bit on GPUs: deterministic cuDNN, a fixed cuBLAS workspace (before cuBLAS starts),
+    # no NVLS (NVSwitch's reduction, in no fixed order)
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    os.environ.setdefault("NCCL_ALGO", "^NVLS")
     torch.backends.cudnn.deterministic = True
     # NCCL's flight recorder (on by default from torch 2.11) dumps beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
@@ -113,9 +115,9 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # By default DDP copies rank 0's buffers (BatchNorm's running statistics, which only
-    # evaluation reads) to every rank at each forward, a collective each; the epoch loop
-    # does it once, before evaluating (the attribute: DDP's argument would skip its first copy)
+    # DDP copies rank 0's buffers (BatchNorm's running statistics, which only evaluation
+    # reads) to every rank at each forward, a collective each; the epoch loop does it once,
+    # before evaluating. Not DDP(broadcast_buffers=False): that skips the first copy too.
     ddp_model.broadcast_buffers = False
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -123,9 +125,10 @@ def main(args):
     )
     scaler = torch.amp.GradScaler(d.device.type, enabled=args.amp == "fp16")
     state = TrainState(model, optimizer, scheduler, scaler)
-    if checkpoint:
+    resumed = checkpoint is not None
+    if resumed:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-        checkpoint = checkpoint[0]  # its path: its contents can go
+    checkpoint = None  # loaded: its contents can go
     writer = Writer()
     atexit.register(writer.join)  # (run_rank runs atexit's hooks)
     if d.rank == 0:
@@ -141,7 +144,7 @@ def main(args):
         a save every --save-every steps and at an epoch's end (due); a stop if any rank was
         asked, saved first (after the last epoch, nothing is left to stop)."""
         phases.armed = True
-        if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not checkpoint:
+        if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not resumed:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
         stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0
@@ -401,9 +404,10 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # a resumed run draws what the interrupted one would have, with no state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
         for k in range(args.accum_steps):
-            phases.enter(state.step, "data")  # (in memory: no I/O)
+            # "step 3, data": the step in progress, as progress lines count
+            phases.enter(state.step + 1, "data")
             images, labels = next(batches)
-            phases.enter(state.step, "forward")  # from the copies to the device
+            phases.enter(state.step + 1, "forward")  # from the copies to the device
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
@@ -415,7 +419,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
                 # backward, with the gradient all-reduce (it waits for the slowest rank)
-                phases.enter(state.step, "backward")
+                phases.enter(state.step + 1, "backward")
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no GPU wait
             step_sums[0] += loss.detach() * len(labels)
@@ -536,9 +540,9 @@ class Preemption:
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
 class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
-    in memory. A thread puts the phase in the job's store once a second if it changed, and ends a rank stuck
-    in one phase for --timeout + 5 s, with its stacks and a line. Within `with phases:`, rank
-    0's line says where every rank was when a collective failed."""
+    in memory. A thread puts the phase in the job's store once a second if it changed, and
+    ends a rank stuck in one phase for --timeout + 5 s, with its stacks and a line. Within
+    `with phases:`, rank 0's line says where every rank was when a collective failed."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -597,8 +601,8 @@ class Phases:
     def slowest(self):
         """Every rank, at a progress line: the 3 slowest ranks' [data, forward] seconds since
         the last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
-        for, named when its seconds are over twice the median's and 0.1 s more. On GPUs the
-        forward's time is the GPU's."""
+        for, its seconds over the median's (most of them in data), named when they are over
+        the median's and 0.1 s. On GPUs the forward's time is the GPU's."""
         if self.events:  # (the progress line's .tolist() waited for them)
             starts, ends = self.events[::2], self.events[1::2]
             self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(starts, ends)) / 1000
@@ -635,7 +639,7 @@ class Phases:
             phases = [phase.decode() for phase in self.store.multi_get(keys)]
         except Exception:  # a rank that never published: no line of phases
             return
-        # "rank 2: step 5, data; the others: step 5, backward" (the commonest phase last)
+        # "rank 2: step 5, data; the others: step 5, backward"
         common = max(sorted(set(phases)), key=phases.count)
         where = [f"rank {rank}: {phase}" for rank, phase in enumerate(phases) if phase != common]
         where.append(f"{'the others' if where else 'every rank'}: {common}")
@@ -769,11 +773,13 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     if total < state.step:
         raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
     planned = state.scheduler.total_steps
-    if total != planned:  # a one-cycle schedule of the new length, at the step reached
+    # a one-cycle schedule of the new length, at the step reached (last_epoch reads the
+    # loaded initial_lr)
+    if total != planned:
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
-    # (another world size with the global batch held trains the same)
+    # (another world size with the global batch held trains the same, --norm group exactly)
     was = (saved["world_size"], saved["global_batch"], planned)
     now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:
@@ -791,7 +797,7 @@ def save(state, writer, args, d, identity):
     the Writer's thread writes the bytes while training goes on."""
     finite = all(p.isfinite().all() for p in state.model.parameters())
     check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
-    # rank 0 may still be writing the last one (slow disk: a longer --timeout)
+    # rank 0 may still be writing the last (slow disk: a longer --timeout)
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict() | {
@@ -992,7 +998,8 @@ def build_parser():
         "--simulate-failure",
         type=positive,
         metavar="STEP",
-        help="the last rank SIGKILLs itself at this global step, in a run that did not resume",
+        help="the last rank SIGKILLs itself at this global step, in a run that did not resume "
+        "(past a save, or each restart dies there again)",
     )
     add_launch_args(parser)
     return parser

@@ -380,7 +380,7 @@ def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path
     os.mkfifo(tmp_path / "images/train/red/zz.png")  # ImageFolder sorts it last: step 0's
     args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
     r = run(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
-    assert r.returncode == 1 and r.stderr.endswith("[rank 0] stuck for 7 s in step 0, data\n"), r
+    assert r.returncode == 1 and r.stderr.endswith("[rank 0] stuck for 7 s in step 1, data\n"), r
     assert "in load_image" not in r.stderr, r  # the worker's stack is its own, not shown
 
 
@@ -782,7 +782,8 @@ def test_a_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
 def test_the_flight_recorders_dumps_go_beside_the_checkpoints_unless_told(monkeypatch):
     # NCCL's flight recorder writes each rank's record after a timeout, by default to a
     # folder a container loses; 04 points it at the checkpoint folder before it joins the
-    # group (in-process: main stops at attempt_store, the first thing after)
+    # group (in-process: main stops at attempt_store, the first thing after). Bitwise on
+    # NVSwitch nodes too: NCCL's NVLS algorithm is off unless the user chose NCCL_ALGO.
     script = load_script(SCRIPT)
 
     class Joining(Exception):
@@ -795,16 +796,21 @@ def test_the_flight_recorders_dumps_go_beside_the_checkpoints_unless_told(monkey
     monkeypatch.setattr(script, "Preemption", lambda: None)  # (pytest keeps its SIGTERM)
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "")  # (so that the end restores it)
     monkeypatch.delenv("TORCH_FR_DUMP_TEMP_FILE")
+    monkeypatch.setenv("NCCL_ALGO", "")
+    monkeypatch.delenv("NCCL_ALGO")
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # (main sets them: undone after)
     monkeypatch.setattr(torch.backends.cudnn, "deterministic", True)
     args = script.build_parser().parse_args(["--checkpoint-dir", "/shared/ckpt"])
     with pytest.raises(Joining):
         script.main(args)
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/shared/ckpt/nccl_trace_rank_"
+    assert os.environ["NCCL_ALGO"] == "^NVLS"
     monkeypatch.setenv("TORCH_FR_DUMP_TEMP_FILE", "/mine/trace_")  # the user's, kept
+    monkeypatch.setenv("NCCL_ALGO", "Ring")
     with pytest.raises(Joining):
         script.main(args)
     assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == "/mine/trace_"
+    assert os.environ["NCCL_ALGO"] == "Ring"
 
 
 def test_a_compiled_models_state_dict_keeps_plain_keys():
@@ -1032,8 +1038,8 @@ STUCK = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size
     ],
 )
 def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tmp_path):
-    # 3 ranks, 4 steps each; rank 2 never finishes step 2's data loading (or forward), or
-    # stops whole in its data phase (SIGSTOP): the others wait in step 2's gradient
+    # 3 ranks, 4 steps each; rank 2 never finishes step 3's data loading (or forward), or
+    # stops whole in its data phase (SIGSTOP): the others wait in step 3's gradient
     # all-reduce (their backward phase) until --timeout, then rank 0 names where every rank
     # was (Phases, from the job's store). Rank 2's own watchdog ends it --timeout + 6 of its
     # seconds after it entered its phase, with every thread's stack and its line: a
@@ -1053,10 +1059,10 @@ def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tm
         nproc=3,
         timeout=90,
     ).failed()
-    # rank 0's line: ranks 0 and 1 in step 2's backward, rank 2 in the phase it stuck in (a
+    # rank 0's line: ranks 0 and 1 in step 3's backward, rank 2 in the phase it stuck in (a
     # frozen rank's thread is frozen too: its phase is the last one published, a second old)
-    phase = r"[^;]+" if case == "frozen" else f"step 2, {case}"
-    where = rf"; where: rank 2: {phase}; the others: step 2, backward$"
+    phase = r"[^;]+" if case == "frozen" else f"step 3, {case}"
+    where = rf"; where: rank 2: {phase}; the others: step 3, backward$"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours[:2]] == ["[rank 0]", "[rank 1]"], r
     assert re.search(where, ours[0]) and "where" not in ours[1], r
@@ -1074,13 +1080,13 @@ def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tm
     if case == "frozen":  # killed while stopped: no word from it, the launcher names it
         assert len(ours) == 2 and re.search(r"SIGKILL|via 9|code -9", r.stderr), r
     else:  # rank 2's watchdog: every thread's stack, and its line
-        assert ours[2] == f"[rank 2] stuck for {timeout + 6} s in step 2, {case}", r
+        assert ours[2] == f"[rank 2] stuck for {timeout + 6} s in step 3, {case}", r
         assert "in train_one_epoch" in r.stderr, r
 
 
 def test_an_nccl_error_on_rank_0_names_where_every_rank_was(tmp_path):
     # torch 2.15's NCCL engine raises a failed collective as a RuntimeError ending "NCCL Last
-    # Error: ..." (raised here by hand in rank 0's step 2 forward, 2.5 s in, so that both
+    # Error: ..." (raised here by hand in rank 0's step 3 forward, 2.5 s in, so that both
     # phases are published, a busy machine's too; no GPU here). Rank 0's line is one line and
     # ends with where each rank was, as after Gloo's errors; rank 1, in its backward, loses
     # its peer.
@@ -1093,7 +1099,7 @@ def test_an_nccl_error_on_rank_0_names_where_every_rank_was(tmp_path):
     r = r.failed()
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     said = "[rank 0] error: RuntimeError: NCCL AllReduce failed: unhandled cuda error NCCL Last"
-    where = " Error: Cuda failure; where: rank 0: step 2, forward; the others: step 2, backward"
+    where = " Error: Cuda failure; where: rank 0: step 3, forward; the others: step 3, backward"
     assert ours[0] == said + where and "gloo/" in ours[1], r
     assert "Traceback" not in r.stderr, r
 
@@ -1106,7 +1112,7 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
     # Rank 2 skips step 2's progress line and its collectives: its next collective, the stop
     # agreement's one-flag all-reduce, meets the others' three-float one. The rank that
     # receives the wrong size (rank 1, by Gloo's ring) aborts in Gloo's C++ with no line of
-    # ours, but its stacks; rank 0 loses it and names where every rank was (rank 2 still in step 1's
+    # ours, but its stacks; rank 0 loses it and names where every rank was (rank 2 still in step 2's
     # backward), rank 2 loses its peer. (In 03 the same, with no phases to name.)
     r = run(
         stuck_copy(tmp_path, "skip"),
@@ -1123,7 +1129,7 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
         nproc=3,
         timeout=60,
     ).failed()
-    where = "; where: rank 2: step 1, backward; the others: step 2, progress line"
+    where = "; where: rank 2: step 2, backward; the others: step 2, progress line"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours] == ["[rank 0]", "[rank 2]"], r
     assert "op.preamble.length <= op.nbytes. 8 vs 4" in r.stderr, r  # Gloo's, 2.4.1 and 2.15.0

@@ -173,7 +173,7 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
 
 
 def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
-    # One process that never returns from step 2's forward, as a GPU hang looks from Python:
+    # One process that never returns from step 3's forward, as a GPU hang looks from Python:
     # with no peer to time out, 04's own watchdog (Phases) ends it --timeout + 6 of its
     # seconds after it entered the phase, with its stacks and its line, on a process bound
     # to a GPU. (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
@@ -187,7 +187,7 @@ def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
         timeout=120,
     ).failed()
     assert "on 1 x cuda (nccl)" in r.stdout, r
-    assert "[rank 0] stuck for 9 s in step 2, forward\n" in r.stderr, r
+    assert "[rank 0] stuck for 9 s in step 3, forward\n" in r.stderr, r
     assert "in train_one_epoch" in r.stderr, r
 
 
