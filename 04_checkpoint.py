@@ -15,18 +15,16 @@ section below, called from main() and the training loop.
   every --save-every steps and at each epoch's end rank 0 serialises it and a thread writes
   it (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
   every rank carries on from it, with the same data order, augmentations and random numbers:
-  on the same 1 or 2 ranks the weights end bit for bit those of an uninterrupted run (GPUs
-  too, on the same nodes; more ranks, NVSwitch: NOTES.md).
-  A resume may change the world size, --epochs, --batch-size and --accum-steps: the data
-  position stays exact (with the global batch held and --norm group, the weights agree to
-  rounding), the schedule is rebuilt. When a rank dies under torchrun --max-restarts, all
-  restart and resume on their own.
+  on the same 1 or 2 ranks and nodes the weights end bit for bit those of an uninterrupted
+  run (more ranks: NOTES.md). A resume may change the world size, --epochs, --batch-size
+  and --accum-steps: the data position stays exact, the schedule is rebuilt. When a rank
+  dies under torchrun --max-restarts, all restart and resume.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
   --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
   DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
-- Forensics: when a collective fails, rank 0's line says where every rank was (Gloo; NCCL's
-  ends the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and
-  exits; a progress line names the rank the others waited for.
+- Forensics: when a collective fails, each rank's line says where it was (Gloo; NCCL's ends
+  the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and exits;
+  a progress line names the rank the others waited for.
 - Metrics: --metrics PATH, a JSON line per progress line and per epoch; after a resume the
   steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
 """
@@ -228,8 +226,8 @@ def build_datasets(args):
 
 def data_identity(args, train_set):
     """What the training data is, not where it lies, for a resume to compare: an ImageFolder's
-    number of images, classes and a sha256 of their names (no file opened while the others
-    wait). Your own data: what identifies it (a version, a manifest's sha256)."""
+    number of images, classes and a sha256 of their names (no file is opened). Your own
+    data: what identifies it (a version, a manifest's sha256)."""
     if not args.data:  # synthetic, made from --train-size
         return f"{args.train_size} synthetic"
     images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
@@ -540,9 +538,8 @@ class Preemption:
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
 class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
-    in memory. A thread puts the phase in the job's store once a second if it changed, and
-    ends a rank stuck in one phase for --timeout + 5 s, with its stacks and a line. Within
-    `with phases:`, rank 0's line says where every rank was when a collective failed."""
+    in memory. A thread ends a rank stuck in one phase for --timeout + 5 s, with its stacks
+    and a line; within `with phases:`, a failed collective's line ends with the phase."""
 
     def __init__(self, d, timeout):
         self.d = d
@@ -551,10 +548,9 @@ class Phases:
         self.done = False  # out of `with phases:`: no watchdog
         self.armed = False  # the watchdog (but on data): from the first step's end
         self.since = time.perf_counter()
-        self.seconds = {"data": 0.0, "forward": 0.0}  # the phases timed
+        self.seconds = {"data": 0.0, "forward": 0.0}
         self.events = []  # GPUs: CUDA events at each forward's start and end
-        self.store = dist.distributed_c10d._get_default_store()
-        threading.Thread(target=self.publish, daemon=True).start()
+        threading.Thread(target=self.watch, daemon=True).start()
         faulthandler.enable()  # stacks if NCCL's watchdog aborts the rank
 
     def enter(self, step, phase):
@@ -576,10 +572,9 @@ class Phases:
             self.enter(step, phase)
             yield batch
 
-    def publish(self):
-        """The thread. Its watchdog counts the thread's own seconds: a suspended job
-        (scontrol suspend) is not stuck."""
-        published = None
+    def watch(self):
+        """The thread, once a second. It counts its own seconds: a suspended job (scontrol
+        suspend) is not stuck."""
         entered = still = 0  # when the phase seen last began; this thread's seconds in it
         while not self.done:
             still = still + 1 if self.since == entered else 0
@@ -590,12 +585,6 @@ class Phases:
                     worker.kill()
                 sys.stderr.write(f"[rank {self.d.rank}] stuck for {still} s in {self.where}\n")
                 os._exit(1)
-            if self.where != published:
-                published = self.where
-                try:
-                    self.store.set(f"phase {self.d.rank}", published)
-                except Exception:  # the store is gone: the collectives will say so
-                    return
             time.sleep(1)
 
     def slowest(self):
@@ -627,25 +616,11 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's, or NCCL's where one raises; a timed-out one does not:
-        NOTES.md): rank 0's line ends with where every rank was, read from the store it hosts
-        in one round trip."""
+        """A failed collective (Gloo's; NCCL's where one raises, NOTES.md): this rank's line
+        ends with its phase ("; in step 3, backward"), as a stuck one's does."""
         self.done = True
-        if self.d.rank or not re.search("gloo/|pair closure|NCCL Last Error", str(error)):
-            return
-        try:
-            self.store.set_timeout(datetime.timedelta(seconds=5))
-            keys = [f"phase {rank}" for rank in range(self.d.world_size)]
-            phases = [phase.decode() for phase in self.store.multi_get(keys)]
-        except Exception:  # a rank that never published: no line of phases
-            return
-        # "rank 2: step 5, data; the others: step 5, backward"
-        common = max(sorted(set(phases)), key=phases.count)
-        where = [f"rank {rank}: {phase}" for rank, phase in enumerate(phases) if phase != common]
-        where.append(f"{'the others' if where else 'every rank'}: {common}")
-        raise SetupError(
-            f"{kind.__name__}: {str(error).strip()}; where: {'; '.join(where)}"
-        ) from error
+        if re.search("gloo/|pair closure|NCCL Last Error", str(error)):
+            raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}") from error
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --

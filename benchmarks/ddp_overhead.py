@@ -107,7 +107,7 @@ def bound_worker(args: argparse.Namespace) -> None:
 
 def forensics(rank: int, device, micro_batches: int) -> tuple[float, float]:
     """Seconds a micro-batch spends in 04's forensics (its own Phases): the three enter()
-    calls of each micro-batch (memory only; its thread publishes to the store once a second),
+    calls of each micro-batch (memory only; its thread watches once a second),
     and the same plus every 10th micro-batch its slowest() (an all-reduce of the world-size x
     2 table, at a progress line); the median of 5 timings each."""
     import argparse

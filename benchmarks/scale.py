@@ -226,8 +226,8 @@ def measure(world, folder, steps=8):
 # (key, title, format, model): "linear" fits a + b*N; "ring" fits a + b*(N-1)/N: what each
 # rank sends in a ring all-reduce (2(N-1)/N times the tensor) or, on average, in a broadcast
 # ((N-1)/N times it): bounded, where a linear fit would extrapolate growth. "here": no fit.
-# A time is this machine's (N ranks share its cores: a step's time grows with N); the store
-# ops a second are bounded by design (each rank's phase, once a second when it changed).
+# A time is this machine's (N ranks share its cores: a step's time grows with N); a step
+# makes no store op by design (until session 23 each rank's phase, once a second).
 COLUMNS = [
     ("store_ops", "store ops/step", "{:.2f}", "here"),
     ("store_ops_per_s", "store ops/s", "{:.2f}", "here"),
@@ -257,8 +257,8 @@ def x_of(n, model):
 
 def summary(key, ranks):
     """One column's figure over the ranks: the mean; the job's total for the checkpoint
-    reads; store ops a second over all ranks' measured steps (the phases are written at
-    most once a second, so a short window holds none or one)."""
+    reads; store ops a second over all ranks' measured steps (none since session 23; the
+    phases, written at most once a second before, made a short window hold none or one)."""
     if key == "checkpoint_reads":
         return sum(r[key] for r in ranks)
     if key == "store_ops_per_s":

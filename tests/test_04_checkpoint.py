@@ -488,21 +488,22 @@ def test_a_kill_during_a_background_write_leaves_the_previous_checkpoint(tmp_pat
     assert final_state(again.stdout) == expected
 
 
-def test_a_write_slower_than_the_timeout_is_named_by_rank_0(tmp_path):
+def test_a_write_slower_than_the_timeout_is_named_as_the_save(tmp_path):
     # A slow disk: rank 0's thread takes 4 s to write step 3's checkpoint, --timeout is 2 s.
     # At step 4's save every rank waits for that write (Writer.finish: rank 0 joins its
     # thread, rank 1 waits for rank 0's word) and rank 1 times out. Rank 0 finishes the write
-    # (nothing lost), finds rank 1 gone, and its line says where both were: in the save, not
-    # in training. It read "Timed out ... recv" and named nobody.
+    # (nothing lost) and finds rank 1 gone. Both lines say where they were: in the save, not
+    # in training. They read "Timed out ... recv" and named nothing.
     script = slow_disk_copy(tmp_path, 4)
     folder = tmp_path / "ckpt"
     args = [*SMALL, "--checkpoint-dir", folder, "--timeout", 2]
     r = forked(script, *args, nproc=2).failed()
     ours = {line[:8]: line for line in r.stderr.splitlines() if line.startswith("[rank ")}
     assert sorted(ours) == ["[rank 0]", "[rank 1]"], r
-    assert ours["[rank 1]"].endswith("Timed out waiting 2000ms for recv operation to complete"), r
+    timed_out = "Timed out waiting 2000ms for recv operation to complete; in step 4, save"
+    assert ours["[rank 1]"].endswith(timed_out), r
     assert "gloo/" in ours["[rank 0]"], r
-    assert ours["[rank 0]"].endswith("; where: every rank: step 4, save"), r
+    assert ours["[rank 0]"].endswith("; in step 4, save"), r
     saved = folder / "step-00000003.pt"  # whole: its sha256 marker (written last) matches it
     digest = hashlib.sha256(saved.read_bytes()).hexdigest()
     assert (folder / "step-00000003.pt.sha256").read_text() == f"{digest}  {saved.name}\n", r
@@ -996,8 +997,8 @@ def test_a_slow_rank_is_named_in_the_progress_line(phase, tmp_path):
 def test_what_a_rank_pays_per_step_does_not_grow_with_the_world(tmp_path):
     # Issue #50, with benchmarks/scale.py's instruments (a counting store, the default
     # group's sequence number, /proc/self/io), at 2 and 4 ranks: per step, each rank makes
-    # the same collectives (DDP's two gradient buckets and the stop agreement), writes to the
-    # store at most once a second (the phases), and sends what a ring all-reduce sends
+    # the same collectives (DDP's two gradient buckets and the stop agreement), writes
+    # nothing to the store, and sends what a ring all-reduce sends
     # (2(N-1)/N times the gradients: 1.5 times at 4 ranks what it sends at 2). At start-up a
     # resume reads the checkpoint file once in the job (rank 0), whatever its size.
     out = tmp_path / "counts.json"
@@ -1006,8 +1007,7 @@ def test_what_a_rank_pays_per_step_does_not_grow_with_the_world(tmp_path):
     counts = {int(n): ranks for n, ranks in json.loads(out.read_text()).items()}
     for n, ranks in counts.items():
         assert [r["collectives"] for r in ranks] == [3.0] * n, counts
-        for r in ranks:
-            assert r["store_ops"] * r["steps"] <= r["seconds"] + 1, counts
+        assert [r["store_ops"] for r in ranks] == [0] * n, counts
         assert [r["checkpoint_reads"] for r in ranks] == [1] + [0] * (n - 1), counts
     two = sum(r["kb_written"] for r in counts[2]) / 2
     four = sum(r["kb_written"] for r in counts[4]) / 4
@@ -1037,11 +1037,11 @@ STUCK = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size
         pytest.param("frozen", "spawn", marks=HANGS),
     ],
 )
-def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tmp_path):
+def test_a_stuck_rank_names_itself_and_leaves_its_stack(case, launcher, tmp_path):
     # 3 ranks, 4 steps each; rank 2 never finishes step 3's data loading (or forward), or
     # stops whole in its data phase (SIGSTOP): the others wait in step 3's gradient
-    # all-reduce (their backward phase) until --timeout, then rank 0 names where every rank
-    # was (Phases, from the job's store). Rank 2's own watchdog ends it --timeout + 6 of its
+    # all-reduce (their backward phase) until --timeout, then each line says so. Rank 2's
+    # own watchdog ends it --timeout + 6 of its
     # seconds after it entered its phase, with every thread's stack and its line: a
     # launcher's SIGTERM only asks 04 to stop at the end of a step, which it never reaches.
     # A stopped rank cannot run its watchdog: the launcher SIGKILLs it after its 30 s grace.
@@ -1059,13 +1059,10 @@ def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tm
         nproc=3,
         timeout=90,
     ).failed()
-    # rank 0's line: ranks 0 and 1 in step 3's backward, rank 2 in the phase it stuck in (a
-    # frozen rank's thread is frozen too: its phase is the last one published, a second old)
-    phase = r"[^;]+" if case == "frozen" else f"step 3, {case}"
-    where = rf"; where: rank 2: {phase}; the others: step 3, backward$"
+    # ranks 0 and 1: in step 3's backward; rank 2: stuck in its phase (below)
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours[:2]] == ["[rank 0]", "[rank 1]"], r
-    assert re.search(where, ours[0]) and "where" not in ours[1], r
+    assert all(line.endswith("; in step 3, backward") for line in ours[:2]), r
     # Gloo words a timeout as its own, or, in an op beside the one that timed out (a second
     # gradient bucket), as "Application timeout caused pair closure" (seen under torchrun
     # and --spawn with the frozen rank)
@@ -1084,23 +1081,22 @@ def test_a_stuck_rank_is_named_by_rank_0_and_leaves_its_stack(case, launcher, tm
         assert "in train_one_epoch" in r.stderr, r
 
 
-def test_an_nccl_error_on_rank_0_names_where_every_rank_was(tmp_path):
+def test_an_nccl_error_on_rank_0_says_where_it_was(tmp_path):
     # torch 2.15's NCCL engine raises a failed collective as a RuntimeError ending "NCCL Last
-    # Error: ..." (raised here by hand in rank 0's step 3 forward, 2.5 s in, so that both
-    # phases are published, a busy machine's too; no GPU here). Rank 0's line is one line and
-    # ends with where each rank was, as after Gloo's errors; rank 1, in its backward, loses
-    # its peer.
+    # Error: ..." (raised here by hand in rank 0's step 3 forward; no GPU here). Rank 0's
+    # line is one line and ends with its phase, as after Gloo's errors; rank 1, in its
+    # backward, loses its peer.
     failed = "NCCL AllReduce failed: unhandled cuda error \\nNCCL Last Error: Cuda failure"
     indent = " " * 20
-    line = f"{indent}if d.rank == 0 and state.step == 2:\n{indent}    time.sleep(2.5)\n"
+    line = f"{indent}if d.rank == 0 and state.step == 2:\n"
     line += f"{indent}    raise RuntimeError('{failed}')\n"
     script = inserted_copy(tmp_path / "nccl.py", SCRIPT, indent + "logits = model(images)\n", line)
     r = forked(script, *STUCK, "--epochs", 1, "--checkpoint-dir", tmp_path / "ckpt", nproc=2)
     r = r.failed()
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     said = "[rank 0] error: RuntimeError: NCCL AllReduce failed: unhandled cuda error NCCL Last"
-    where = " Error: Cuda failure; where: rank 0: step 3, forward; the others: step 3, backward"
-    assert ours[0] == said + where and "gloo/" in ours[1], r
+    assert ours[0] == said + " Error: Cuda failure; in step 3, forward", r
+    assert "gloo/" in ours[1] and ours[1].endswith("; in step 3, backward"), r
     assert "Traceback" not in r.stderr, r
 
 
@@ -1108,12 +1104,13 @@ def test_an_nccl_error_on_rank_0_names_where_every_rank_was(tmp_path):
     "launcher",
     ["forked", pytest.param("torchrun", marks=HANGS), pytest.param("spawn", marks=HANGS)],
 )
-def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
+def test_a_rank_that_skips_collectives_stands_out_by_its_phase(launcher, tmp_path):
     # Rank 2 skips step 2's progress line and its collectives: its next collective, the stop
     # agreement's one-flag all-reduce, meets the others' three-float one. The rank that
     # receives the wrong size (rank 1, by Gloo's ring) aborts in Gloo's C++ with no line of
-    # ours, but its stacks; rank 0 loses it and names where every rank was (rank 2 still in step 2's
-    # backward), rank 2 loses its peer. (In 03 the same, with no phases to name.)
+    # ours, but its stacks; rank 0 and rank 2 lose a peer, and their lines say where they
+    # were: rank 2 ahead, in step 3's backward (the agreement does not wait for its own
+    # all-reduce: the gradients' is its first wait). (In 03 the same, with no phases.)
     r = run(
         stuck_copy(tmp_path, "skip"),
         *STUCK,
@@ -1129,12 +1126,12 @@ def test_a_rank_that_skips_collectives_is_named_by_rank_0(launcher, tmp_path):
         nproc=3,
         timeout=60,
     ).failed()
-    where = "; where: rank 2: step 2, backward; the others: step 2, progress line"
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     assert [line[:8] for line in ours] == ["[rank 0]", "[rank 2]"], r
     assert "op.preamble.length <= op.nbytes. 8 vs 4" in r.stderr, r  # Gloo's, 2.4.1 and 2.15.0
-    assert ours[0].startswith("[rank 0] error: RuntimeError: [") and ours[0].endswith(where), r
-    assert "gloo/" in ours[1] and "where" not in ours[1], r  # a peer lost: rank 0 reads
+    assert ours[0].startswith("[rank 0] error: RuntimeError: [") and "gloo/" in ours[1], r
+    assert ours[0].endswith("; in step 2, progress line"), r
+    assert ours[1].endswith("; in step 3, backward"), r
     assert r.stderr.count("Traceback") == (launcher == "torchrun"), r  # the agent's own
     # rank 1's stacks, from faulthandler, which NCCL's watchdog's abort also meets (#51)
     assert "Fatal Python error: Aborted" in r.stderr and "in train_one_epoch" in r.stderr, r
