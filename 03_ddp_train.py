@@ -12,14 +12,15 @@ Run
 Every process holds a replica of the model and trains on its own shard of each global
 batch; DDP averages the gradients during backward, so the replicas stay equal (checked at
 the end) and N processes with batch b take the steps one process with batch N*b would (but
-for BatchNorm's per-rank statistics, which --norm group removes). The global batch is
+for BatchNorm's per-rank statistics, which --norm group removes, and dropout's random
+numbers). The global batch is
 world size x --batch-size x --accum-steps: keep it to train the same.
 
 Your own model and data: replace build_model() and build_datasets(). A job that must
 survive restarts and preemption: 04_checkpoint.py is this file plus what it needs.
 """
 
-from __future__ import annotations  # (an old torch reaches launch()'s check)
+from __future__ import annotations  # (unevaluated: an old torch reaches launch()'s check)
 
 import argparse
 import atexit
@@ -162,7 +163,7 @@ def synthetic_images(count, size, split):
 
 def image_folder(root, transform):
     """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
-    or hidden folders (a file browser's .thumbnails/ would become a class)."""
+    or files in hidden folders (a file browser's CLASS/.thumbnails/)."""
 
     def is_image(path):
         inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
@@ -223,7 +224,7 @@ def build_model(args, num_classes):
 
 @dataclass
 class TrainState:
-    """What training changes as it goes, in one place (04_checkpoint.py saves exactly this)."""
+    """What training changes as it goes, in one place: 04_checkpoint.py saves it."""
 
     model: nn.Module  # not the DDP wrapper
     optimizer: torch.optim.Optimizer
@@ -250,7 +251,7 @@ def train_one_epoch(model, loader, state, args, d):
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum, averaged over the ranks: with loss / K, the global
-            # batch's mean (static_graph=True must sync the first step: NOTES.md)
+            # batch's mean (backward must run inside no_sync)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):

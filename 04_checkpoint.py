@@ -20,8 +20,9 @@ section below, called from main() and the training loop.
   and --accum-steps: the data position stays exact, the schedule is rebuilt. When a rank
   dies under torchrun --max-restarts, all restart and resume.
 - Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
-  --signal) every rank finishes its step, all agree where to stop, rank 0 saves and marks
-  DIR/preempted, and each rank exits 128 + the signal (README.md's batch script requeues).
+  --signal) every rank finishes its step, all agree where to stop (a step on), rank 0 saves
+  and marks DIR/preempted, and each rank exits 128 + the signal (README.md's batch script
+  requeues).
 - Forensics: when a collective fails, each rank's line says where it was (Gloo; NCCL's ends
   the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and exits;
   a progress line names the rank the others waited for.
@@ -29,7 +30,7 @@ section below, called from main() and the training loop.
   steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
 """
 
-from __future__ import annotations  # (an old torch reaches launch()'s check)
+from __future__ import annotations  # (unevaluated: an old torch reaches launch()'s check)
 
 import argparse
 import atexit
@@ -151,7 +152,7 @@ def main(args):
             save(state, writer, args, d, identity)
         if stop:
             writer.finish()  # the save is on disk before this rank ends
-            dist.barrier()  # NCCL: rank 0's broadcast has left its GPU
+            dist.barrier()  # (NCCL: rank 0's broadcast completes before it exits)
             if d.rank == 0:
                 (args.checkpoint_dir / "preempted").touch()  # after the save
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
@@ -248,7 +249,7 @@ def synthetic_images(count, size, split):
 
 def image_folder(root, transform):
     """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
-    or hidden folders (a file browser's .thumbnails/ would become a class)."""
+    or files in hidden folders (a file browser's CLASS/.thumbnails/)."""
 
     def is_image(path):
         inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
@@ -410,7 +411,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 backward passes only add up gradients here; the K-th
             # all-reduces their sum, averaged over the ranks: with loss / K, the global
-            # batch's mean (static_graph=True must sync the first step: NOTES.md)
+            # batch's mean (backward must run inside no_sync)
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -509,7 +510,7 @@ class Preemption:
 
     def __init__(self):
         self.asked = 0  # the number of the signal that asked to stop; 0: none
-        self.sent = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
+        self.in_flight = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
         # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
@@ -530,7 +531,7 @@ class Preemption:
             event = torch.cuda.Event()
             event.record()
             arrived = event.synchronize  # the host waits for the copy
-        (flag, arrived), self.sent = self.sent, (flag, arrived)
+        (flag, arrived), self.in_flight = self.in_flight, (flag, arrived)
         arrived()
         return signal.Signals(int(flag)) if flag else 0
 
@@ -747,7 +748,7 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     done = f"epoch {state.epoch + 1} with {state.position} of its images done"
     if total < state.step:
         raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
-    planned = state.scheduler.total_steps
+    planned = state.scheduler.total_steps  # the checkpoint's
     # a one-cycle schedule of the new length, at the step reached (last_epoch reads the
     # loaded initial_lr)
     if total != planned:

@@ -133,7 +133,7 @@ def build_dataset(args):
 
 def image_folder(root, transform):
     """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
-    or hidden folders (a file browser's .thumbnails/ would become a class)."""
+    or files in hidden folders (a file browser's CLASS/.thumbnails/)."""
 
     def is_image(path):
         inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
