@@ -16,7 +16,7 @@ cudnn.benchmark.
 
 It also times what 04's forensics add to each micro-batch (issues #38, #49), measured alone
 in the bound's processes, against the bound's step: its own Phases.enter() three times (a
-clock read and a few assignments; the store and the watchdog are its thread's, once a
+clock read and a few assignments; the watchdog is its thread's, once a
 second), and the same with Phases.slowest() (an all-reduce of a world-size x 2 table)
 every 10 (the default --log-every).
 Run from the repo root:

@@ -3,9 +3,9 @@ background, on 03's model (ResNet-18 and SGD's momentum: about 90 MB).
 
   inline:      save() and then writer.finish(): the training thread copies the state, serialises
                it, writes, syncs and renames it, and only then takes its next step
-  background:  save() alone: the training thread copies the state to the CPU and starts a
-               thread that does the rest while training goes on (writer.finish() is only waited
-               for at the next save, long after)
+  background:  save() alone: the training thread serialises the state and starts a thread
+               that writes it while training goes on (writer.finish() is only waited for at
+               the next save, long after)
 
 Both call 04's own save() and Writer in a one-process Gloo group on this machine, into a fresh
 folder under --dir (default: a temporary one, on the disk a real job would use if you
@@ -60,7 +60,7 @@ def main() -> None:
     backend = "nccl" if cuda else "gloo"
     dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(60))
     args = m.build_parser().parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
-    d = m.Dist(0, 1, device, 60.0)
+    d = argparse.Namespace(rank=0, world_size=1, device=device)  # as 04's setup() returns it
     shape = {"--arch": args.arch}  # what 04 keeps of the run's settings (any dict will do)
     m.lock(folder)  # as rank 0 does at start: makes the folder, holds its lock
     writer = m.Writer()
@@ -92,7 +92,7 @@ def main() -> None:
         step()
     m.save(state, writer, args, d, shape)
     writer.finish()
-    inline, background, busy, quiet = [], [], [], []
+    inline, background, busy, quiet, cost = [], [], [], [], []
     for _ in range(options.repeats):
         step()
         inline.append(timed(lambda: (m.save(state, writer, args, d, shape), writer.finish())))
@@ -106,6 +106,8 @@ def main() -> None:
         busy.append((time.perf_counter() - started) / max(steps, 1))
         writer.finish()
         quiet.append(statistics.median(timed(step) for _ in range(3)))
+        # what the save cost training: its blocking, and the steps it slowed
+        cost.append(background[-1] + steps * (busy[-1] - quiet[-1]))
     size = max(folder.glob("step-*.pt")).stat().st_size / 1e6
     inline_s, background_s = statistics.median(inline), statistics.median(background)
     print(
@@ -122,6 +124,7 @@ def main() -> None:
         f"a training step: {1000 * statistics.median(quiet):.1f} ms alone, "
         f"{1000 * statistics.median(busy):.1f} ms while the thread writes"
     )
+    print(f"a background save costs training {1000 * statistics.median(cost):.1f} ms in all")
     os._exit(0)  # no interpreter shutdown with a process group alive (NOTES.md)
 
 

@@ -994,6 +994,16 @@ def test_a_slow_rank_is_named_in_the_progress_line(phase, tmp_path):
         assert not named[0] or named[0][:2] == ("2", phase), r
 
 
+def test_the_save_benchmark_runs_04s_own_save(tmp_path):
+    # benchmarks/save_blocking.py calls 04's save() and Writer: it broke unnoticed when 04's
+    # setup() stopped returning a Dist (found in session 23). One save of each kind, on 03's
+    # model with SGD's momentum: 2 x 11.2 M float32 values, a 90 MB checkpoint.
+    r = run("benchmarks/save_blocking.py", "--repeats", 1, "--dir", tmp_path, timeout=120).ok()
+    assert "checkpoint 90 MB in" in r.stdout, r
+    assert re.search(r"background save blocks +[\d.]+ ms", r.stdout), r
+    assert re.search(r"a background save costs training -?[\d.]+ ms in all", r.stdout), r
+
+
 def test_what_a_rank_pays_per_step_does_not_grow_with_the_world(tmp_path):
     # Issue #50, with benchmarks/scale.py's instruments (a counting store, the default
     # group's sequence number, /proc/self/io), at 2 and 4 ranks: per step, each rank makes
