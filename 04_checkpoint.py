@@ -87,12 +87,12 @@ def main(args):
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
     # under torchrun's agent's store (torch 2.15), one of our own per attempt
     d = setup(args.timeout, store=attempt_store(args.timeout))
-    phases = Phases(d, args.timeout)  # forensics: this rank's phase and seconds
+    phases = Phases(d, args.timeout)
     train_set, val_set, num_classes = build_datasets(args)
     # SAME_ON_RESUME's options and the data: checked against a checkpoint, saved in each
     identity = {f"--{k.replace('_', '-')}": str(getattr(args, k)) for k in SAME_ON_RESUME}
     identity["images"] = data_identity(args, train_set)
-    checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)  # rank 0 locks, picks
+    checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)
     train_loader, val_loader = make_loaders(args, d, train_set, val_set)
     steps_per_epoch = len(train_loader) // args.accum_steps
     if not steps_per_epoch:  # too few images for one step on each rank
@@ -127,7 +127,7 @@ def main(args):
     resumed = checkpoint is not None
     if resumed:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-    checkpoint = None  # loaded: its contents can go
+    checkpoint = None  # its contents can go
     writer = Writer()
     atexit.register(writer.join)  # (run_rank runs atexit's hooks)
     if d.rank == 0:
@@ -154,15 +154,15 @@ def main(args):
             writer.finish()  # the save is on disk before this rank ends
             dist.barrier()  # (NCCL: rank 0's broadcast completes before it exits)
             if d.rank == 0:
-                (args.checkpoint_dir / "preempted").touch()  # after the save
+                (args.checkpoint_dir / "preempted").touch()
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
 
-    hooks = (phases, after_step)  # for train_one_epoch
+    hooks = (phases, after_step)
     losses = []
-    with phases:  # forensics for the training loop
+    with phases:
         while state.epoch < args.epochs:
-            train_loader.sampler.set_position(state.epoch, state.position)  # from there on
+            train_loader.sampler.set_position(state.epoch, state.position)
             # and new augmentations: SeededAugmentation draws each image's from (epoch, index)
             train_loader.dataset.epoch = state.epoch
             loss, acc, speed = train_one_epoch(ddp_model, train_loader, state, args, d, hooks)
@@ -229,7 +229,7 @@ def data_identity(args, train_set):
     """What the training data is, not where it lies, for a resume to compare: an ImageFolder's
     number of images, classes and a sha256 of their names (no file is opened). Your own
     data: what identifies it (a version, a manifest's sha256)."""
-    if not args.data:  # synthetic, made from --train-size
+    if not args.data:
         return f"{args.train_size} synthetic"
     images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
     digest = hashlib.sha256(str(images).encode()).hexdigest()
@@ -499,7 +499,7 @@ def log_metrics(args, state, **fields):
         try:
             with open(args.metrics, "a") as f:
                 print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
-        except OSError as e:  # a full disk, say
+        except OSError as e:
             raise SetupError(f"cannot write {args.metrics}: {e.strerror}") from None
 
 
@@ -509,20 +509,21 @@ class Preemption:
     may run inside one); the ranks agree on it after every step."""
 
     def __init__(self):
-        self.asked = 0  # the number of the signal that asked to stop; 0: none
+        self.asked = 0  # the signal that asked to stop; 0: none
         self.in_flight = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
         # instead of run_rank's handler, which ends the rank at once: these save first
         signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
         signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
 
-    def ask(self, signum, frame):  # the signal handler
+    def ask(self, signum, frame):
         self.asked = signum
 
     def agreed(self, device):
-        """Every rank, at the same step: the signal any rank was asked to stop by, or 0. It
-        sends this step's flags (their MAX, in an all-reduce) and returns the last step's,
-        long arrived: no rank waits here for a slower one, and a stop comes a step later."""
-        flag = torch.full([1], self.asked, device=device)  # (no copy, no wait)
+        """Every rank calls it at the same step; it returns the signal that any rank was asked
+        to stop by, or 0. Each call starts an all-reduce (MAX) of this step's flags and
+        returns the previous call's result, which arrived long ago: no rank waits here for a
+        slower one, and a stop takes effect one step after it was asked."""
+        flag = torch.full([1], self.asked, device=device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
         if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host
@@ -544,7 +545,7 @@ class Phases:
 
     def __init__(self, d, timeout):
         self.d = d
-        self.limit = timeout + 5  # the watchdog's
+        self.limit = timeout + 5
         self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
         self.armed = False  # the watchdog (but on data): from the first step's end
@@ -565,7 +566,7 @@ class Phases:
         timed = phase in ("forward", "backward") and len(self.events) < 2000
         if timed and self.d.device.type == "cuda":
             self.events.append(torch.cuda.Event(enable_timing=True))
-            self.events[-1].record()  # in the GPU's queue
+            self.events[-1].record()
 
     def each(self, batches, step, phase):
         """The batches, each entering the phase: a long evaluation is progress too."""
@@ -580,7 +581,7 @@ class Phases:
         while not self.done:
             still = still + 1 if self.since == entered else 0
             entered = self.since
-            if (self.armed or self.phase == "data") and still > self.limit:  # stuck
+            if (self.armed or self.phase == "data") and still > self.limit:
                 faulthandler.dump_traceback(all_threads=True)
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
@@ -701,8 +702,8 @@ def newest_readable(folder, identity):
 def checkpoints_in(folder):
     """The checkpoints in folder, newest first: step-N.pt by the number N, of any length. A
     name that is not a number (a user's step-best.pt) is never loaded and never pruned."""
-    paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]  # N: [5:]
-    return sorted(paths, key=lambda path: int(path.stem[5:]), reverse=True)  # "00000040": 40
+    paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]
+    return sorted(paths, key=lambda path: int(path.stem[5:]), reverse=True)
 
 
 def read_checkpoint(path):
@@ -735,7 +736,9 @@ def marker(path):
 def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     """Every rank: the checkpoint rank 0 chose, (path, contents), loaded into the training
     state; with other processes, batch or --epochs, from the same place in the data, on a
-    one-cycle schedule rebuilt for the new number of steps."""
+    one-cycle schedule rebuilt for the new number of steps. state.position counts the images
+    of this epoch's order used so far, over all ranks; the sampler deals the rest, so this
+    rank's share of them, in whole steps, is the steps left in the epoch."""
     path, saved = checkpoint
     try:
         state.load_state_dict(saved)
@@ -748,7 +751,7 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     done = f"epoch {state.epoch + 1} with {state.position} of its images done"
     if total < state.step:
         raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
-    planned = state.scheduler.total_steps  # the checkpoint's
+    planned = state.scheduler.total_steps  # the checkpoint's plan (loaded)
     # a one-cycle schedule of the new length, at the step reached (last_epoch reads the
     # loaded initial_lr)
     if total != planned:
