@@ -21,6 +21,7 @@ import resource
 import runpy
 import signal
 import sys
+import time
 
 import torch  # noqa: F401  (imported here so that no forked run pays for it)
 import torch.distributed as dist
@@ -62,7 +63,24 @@ def child(
     # multiprocessing's default start method (DataLoader workers use it), not the inherited
     # forkserver's
     multiprocessing.set_start_method(None, force=True)
+    # 04's watchdog kills a stuck rank's DataLoader workers: each shows its stacks first, so
+    # that a hang in a worker says where (tests/README.md: a worker's hang seen twice)
+    multiprocessing.process.BaseProcess.kill = kill_after_stacks
     # what a fresh process reads from its environment on import, read again from the run's
     dist.set_debug_level_from_env()  # TORCH_DISTRIBUTED_DEBUG
     sys.argv = [str(REPO / script), *argv]
     runpy.run_path(sys.argv[0], run_name="__main__")  # its __main__ block ends the process
+
+
+KILL = multiprocessing.process.BaseProcess.kill
+
+
+def kill_after_stacks(process) -> None:
+    """Process.kill, after the process has had a second to write every thread's stack (it
+    inherited the STACKS_SIGNAL handler from its forked rank)."""
+    try:
+        os.kill(process.pid, STACKS_SIGNAL)
+        time.sleep(1)
+    except OSError:  # gone already
+        pass
+    KILL(process)

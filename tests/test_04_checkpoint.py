@@ -384,6 +384,20 @@ def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path
     assert "in load_image" not in r.stderr, r  # the worker's stack is its own, not shown
 
 
+@pytest.mark.hangs  # about 11 s
+def test_a_forked_ranks_stuck_worker_shows_its_stack_before_it_is_killed(tmp_path):
+    # The harness's side (tests/forked.py): a forked rank's Process.kill first asks the
+    # worker for its stacks, so that a worker's hang in a test run says where it was (one
+    # was seen twice and not reproduced: tests/README.md). The FIFO above, forked: the
+    # worker's stack ends in load_image, reading it.
+    image_folder(tmp_path / "images")
+    os.mkfifo(tmp_path / "images/train/red/zz.png")
+    args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
+    r = forked(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
+    assert r.returncode == 1 and r.stderr.endswith("[rank 0] stuck for 7 s in step 1, data\n"), r
+    assert "in load_image" in r.stderr, r
+
+
 def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
     # No signal comes: the shell that started `nohup python 04 ... &` exits, and the job's
     # parent changes. It took that for a killed launcher and stopped 4 s later "on SIGTERM"
