@@ -37,8 +37,6 @@ Under torchrun --max-restarts, copy 04_checkpoint.py's attempt_store().
 
 import argparse
 import atexit
-import concurrent.futures
-import datetime
 import os
 import re
 import signal
@@ -46,6 +44,8 @@ import socket
 import sys
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -96,13 +96,13 @@ def join(args):
     # address into the file. As in setup(), a thread joins: the deadline or Ctrl-C ends the wait.
     cuda = device.type == "cuda"
     started = time.monotonic()
-    joining = concurrent.futures.ThreadPoolExecutor(1).submit(
+    joining = ThreadPoolExecutor(1).submit(
         dist.init_process_group,
         "nccl" if cuda else "gloo",
         init_method=args.init_method,
         rank=rank,
         world_size=world,
-        timeout=datetime.timedelta(seconds=args.timeout),
+        timeout=timedelta(seconds=args.timeout),
         device_id=device if cuda else None,
     )
     try:
@@ -202,7 +202,7 @@ def verify_collectives(d, timeout):
     # Every rank calls new_group for every group, members or not, in the same order. Pass
     # timeout: a group's default is the backend's (10 or 30 min), not the default group's.
     halves = [list(range(start, ws, 2)) for start in range(min(ws, 2))]  # even ranks, odd ranks
-    limit = datetime.timedelta(seconds=timeout)
+    limit = timedelta(seconds=timeout)
     groups = [dist.new_group(ranks, timeout=limit) for ranks in halves]
     members = halves[d.rank % 2]
     s = mine.clone()
@@ -289,7 +289,7 @@ def init_method(text):
 # The shared plumbing below, in the order a rank meets it:
 #   launch()       under a launcher (RANK set: torchrun, a manual launch) runs this process
 #                  as its rank; else starts --spawn N ranks, or one, with torchrun's
-#                  variables and a free port, and passes a signal on to them.
+#                  variables and a free port, and passes signals on.
 #   run_rank()     runs main(), then ends the process (exit hooks, os._exit): exit 0, or
 #                  one line, "[rank N] CHECK FAILED: ...", "[rank N] error: ..." (a bug also
 #                  keeps its traceback) or "[rank N] stopped by SIGTERM" (exit 128 + signal).
@@ -316,12 +316,8 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
-    `head` that has exited) is dropped."""
-    try:
-        print(text, flush=True)
-    except OSError:
-        pass
+    """Rank 0's story, a line at a time (flushed: os._exit leaves nothing in a buffer)."""
+    print(text, flush=True)
 
 
 def number(cast, low):
@@ -363,7 +359,7 @@ def launch(main, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:
+    if not args.spawn:
         run_rank(0, main, args)
     # a signal sent to this process alone (Kubernetes signals a container's first process)
     # goes on to every rank, as torchrun forwards it
@@ -381,9 +377,9 @@ def forward(signum, frame):
         os.kill(rank.pid, signum)
 
 
-# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
-# SIGQUIT: each ends a rank with one line
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal:
+# each ends a rank with one line
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
@@ -402,12 +398,12 @@ def run_rank(index, main, args):
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:
             # (a DataLoader worker's SetupError ends torch's text)
-            why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
+            why = "error: " + str(e).rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its files (".../gloo/transport/tcp/pair.cc") or say "...
-            # caused pair closure", torch 2.15's NCCL's end "NCCL Last Error": a collective
-            # failed (a peer is gone, or timed out). Anything else is a bug: keep its traceback.
+            # A failed collective (a peer gone, or timed out): Gloo's errors name its files
+            # (".../gloo/...") or say "pair closure"; torch 2.15's NCCL's end "NCCL Last
+            # Error". Anything else is a bug: keep its traceback.
             if not re.search("gloo/|pair closure|NCCL Last Error", why):
                 traceback.print_exc()
         finally:
@@ -438,24 +434,26 @@ def stop(signum, frame):
 def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
-    # set by the launcher
-    env = {v: os.getenv(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"the launcher's variables are invalid: {env}")
+    # set by the launcher; -1: not set
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    rank, world, local_rank, local_world = [int(os.getenv(v, -1)) for v in names]
+    if not (0 <= rank < world and 0 <= local_rank < local_world):
+        raise SetupError(
+            f"the launcher's variables are invalid: RANK {rank}, WORLD_SIZE {world}, "
+            f"LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE {local_world} (-1: not set)"
+        )
     device = bind_device(local_rank, local_world)
     cuda = device.type == "cuda"
-    # A thread joins while this one waits, until the timeout or a signal: torch's store
-    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
-    # device_id: NCCL connects now, on this GPU.
+    # A thread joins, so that the deadline or Ctrl-C ends the wait (torch's store waits in
+    # C++, past its timeout too). device_id: NCCL connects now, on this GPU.
     try:
-        concurrent.futures.ThreadPoolExecutor(1).submit(
+        ThreadPoolExecutor(1).submit(
             dist.init_process_group,
             "nccl" if cuda else "gloo",
             store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
     except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
@@ -478,7 +476,7 @@ def bind_device(local_rank, local_world):
     # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    device = torch.device("cuda", local_rank % gpus)  # GPU ids restart per node
     torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 

@@ -35,8 +35,6 @@ Needs torch >= 2.4. Under torchrun --max-restarts, copy 04_checkpoint.py's attem
 
 import argparse
 import atexit
-import concurrent.futures
-import datetime
 import math
 import os
 import re
@@ -45,6 +43,8 @@ import socket
 import sys
 import traceback
 import zlib
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -55,8 +55,8 @@ from torch.utils.data.distributed import DistributedSampler
 # The shared plumbing is at the bottom of this file, the same in all six scripts (01 explains
 # it): setup() reads the launcher's RANK, WORLD_SIZE and LOCAL_RANK, binds this process's
 # device, joins the process group and returns d (rank, world_size, device); launch() starts
-# the ranks, and run_rank() ends each with one line (so no destroy_process_group: NOTES.md
-# says why); check() and SetupError fail loudly. Read it last, or not at all.
+# the ranks, and run_rank() ends each with one line; check() and SetupError fail loudly.
+# Read it last, or not at all.
 
 
 def main(args):
@@ -220,12 +220,8 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
-    `head` that has exited) is dropped."""
-    try:
-        print(text, flush=True)
-    except OSError:
-        pass
+    """Rank 0's story, a line at a time (flushed: os._exit leaves nothing in a buffer)."""
+    print(text, flush=True)
 
 
 def number(cast, low):
@@ -267,7 +263,7 @@ def launch(main, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:
+    if not args.spawn:
         run_rank(0, main, args)
     # a signal sent to this process alone (Kubernetes signals a container's first process)
     # goes on to every rank, as torchrun forwards it
@@ -285,9 +281,9 @@ def forward(signum, frame):
         os.kill(rank.pid, signum)
 
 
-# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
-# SIGQUIT: each ends a rank with one line
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal:
+# each ends a rank with one line
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
@@ -306,12 +302,12 @@ def run_rank(index, main, args):
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:
             # (a DataLoader worker's SetupError ends torch's text)
-            why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
+            why = "error: " + str(e).rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its files (".../gloo/transport/tcp/pair.cc") or say "...
-            # caused pair closure", torch 2.15's NCCL's end "NCCL Last Error": a collective
-            # failed (a peer is gone, or timed out). Anything else is a bug: keep its traceback.
+            # A failed collective (a peer gone, or timed out): Gloo's errors name its files
+            # (".../gloo/...") or say "pair closure"; torch 2.15's NCCL's end "NCCL Last
+            # Error". Anything else is a bug: keep its traceback.
             if not re.search("gloo/|pair closure|NCCL Last Error", why):
                 traceback.print_exc()
         finally:
@@ -342,24 +338,26 @@ def stop(signum, frame):
 def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
-    # set by the launcher
-    env = {v: os.getenv(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"the launcher's variables are invalid: {env}")
+    # set by the launcher; -1: not set
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    rank, world, local_rank, local_world = [int(os.getenv(v, -1)) for v in names]
+    if not (0 <= rank < world and 0 <= local_rank < local_world):
+        raise SetupError(
+            f"the launcher's variables are invalid: RANK {rank}, WORLD_SIZE {world}, "
+            f"LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE {local_world} (-1: not set)"
+        )
     device = bind_device(local_rank, local_world)
     cuda = device.type == "cuda"
-    # A thread joins while this one waits, until the timeout or a signal: torch's store
-    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
-    # device_id: NCCL connects now, on this GPU.
+    # A thread joins, so that the deadline or Ctrl-C ends the wait (torch's store waits in
+    # C++, past its timeout too). device_id: NCCL connects now, on this GPU.
     try:
-        concurrent.futures.ThreadPoolExecutor(1).submit(
+        ThreadPoolExecutor(1).submit(
             dist.init_process_group,
             "nccl" if cuda else "gloo",
             store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
     except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
@@ -382,7 +380,7 @@ def bind_device(local_rank, local_world):
     # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    device = torch.device("cuda", local_rank % gpus)  # GPU ids restart per node
     torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 

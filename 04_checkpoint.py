@@ -9,34 +9,27 @@ Run
   torchrun --nnodes 2 --nproc_per_node 4 --max-restarts 3 --rdzv-backend c10d \
       --rdzv-endpoint HOST0:29400 --rdzv-id job1 04_checkpoint.py --checkpoint-dir /shared/ckpt
 
-Read it as `diff 03_ddp_train.py 04_checkpoint.py`: the same job plus four parts, each a
-section below, called from main() and the training loop.
-- Checkpoints: the training state is one object with state_dict() and load_state_dict();
-  every --save-every steps and at each epoch's end rank 0 serialises it and a thread writes
-  it (atomically, its sha256 beside it). At start rank 0 picks the newest that verifies and
-  every rank carries on from it, with the same data order, augmentations and random numbers:
-  on the same 1 or 2 ranks and nodes the weights end bit for bit those of an uninterrupted
-  run (more ranks: NOTES.md). A resume may change the world size, --epochs, --batch-size
-  and --accum-steps: the data position stays exact, the schedule is rebuilt. When a rank
-  dies under torchrun --max-restarts, all restart and resume.
-- Stopping: on SIGTERM (a scheduler's warning; torchrun forwards it) or SIGUSR1 (sbatch
-  --signal) every rank finishes its step, all agree where to stop (a step on), rank 0 saves
-  and marks DIR/preempted, and each rank exits 128 + the signal (README.md's batch script
-  requeues).
-- Forensics: when a collective fails, each rank's line says where it was (Gloo; NCCL's ends
-  the ranks itself: NOTES.md); a rank stuck for --timeout + 5 s dumps its stack and exits;
-  a progress line names the rank the others waited for.
-- Metrics: --metrics PATH, a JSON line per progress line and per epoch; after a resume the
-  steps since the checkpoint come again (plot_metrics.py keeps each kind's last line).
+Read it as `diff 03_ddp_train.py 04_checkpoint.py`: 03's job plus four parts, each a section
+below.
+- Checkpoints: every --save-every steps and at each epoch's end rank 0 serialises the
+  training state and a thread writes it, atomically, with its sha256. At start rank 0 picks
+  the newest that verifies and every rank resumes from it, with the same data order,
+  augmentations and random numbers: on the same ranks and nodes, bit for bit (NOTES.md). A
+  resume may change the world size, --epochs, --batch-size and --accum-steps. Under torchrun
+  --max-restarts, a rank's death restarts every rank, which resume.
+- Stopping: on SIGTERM (a scheduler's warning) or SIGUSR1 (sbatch --signal) the ranks agree
+  to stop a step later; rank 0 saves and marks DIR/preempted; each rank exits 128 + the
+  signal (README.md's batch script requeues).
+- Forensics: a failed collective's line says where the rank was; a rank stuck for --timeout
+  + 5 s dumps its stack and exits; a progress line names the rank the others waited for.
+- Metrics: --metrics PATH, a JSON line per progress line and per epoch, for plot_metrics.py.
 """
 
 from __future__ import annotations  # (unevaluated: an old torch reaches launch()'s check)
 
 import argparse
 import atexit
-import concurrent.futures
 import contextlib
-import datetime
 import faulthandler
 import fcntl
 import hashlib
@@ -53,7 +46,9 @@ import tempfile
 import threading
 import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 
 import PIL.Image
@@ -65,7 +60,7 @@ import torch.nn.functional as F
 import torchvision
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset, TensorDataset
-from torchvision.datasets.folder import IMG_EXTENSIONS, ImageFolder
+from torchvision.datasets.folder import ImageFolder
 
 # The shared plumbing is at the bottom of this file, the same in all six scripts: setup()
 # joins the process group and returns d (rank, world_size, device). Read it last, or not
@@ -85,11 +80,10 @@ def main(args):
     torch.backends.cudnn.deterministic = True
     # NCCL's flight recorder (on by default from torch 2.11) dumps beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
-    # under torchrun's agent's store (torch 2.15), one of our own per attempt
     d = setup(args.timeout, store=attempt_store(args.timeout))
     phases = Phases(d, args.timeout)
     train_set, val_set, num_classes = build_datasets(args)
-    # SAME_ON_RESUME's options and the data: checked against a checkpoint, saved in each
+    # what a checkpoint must share with this run
     identity = {f"--{k.replace('_', '-')}": str(getattr(args, k)) for k in SAME_ON_RESUME}
     identity["images"] = data_identity(args, train_set)
     checkpoint = choose_checkpoint(args.checkpoint_dir, identity, d)
@@ -129,11 +123,10 @@ def main(args):
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
     checkpoint = None  # its contents can go
     writer = Writer()
-    atexit.register(writer.join)  # (run_rank runs atexit's hooks)
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
         say(f"{len(train_set)} train / {len(val_set)} val images, {num_classes} classes")
-        say(  # (resume() may have rebuilt the schedule)
+        say(
             f"{state.scheduler.total_steps} steps of {args.batch_size} images x "
             f"{args.accum_steps} accum per rank"
         )
@@ -145,7 +138,7 @@ def main(args):
         phases.armed = True
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not resumed:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
-            os.kill(os.getpid(), signal.SIGKILL)  # abruptly, like a machine that is gone
+            signal.raise_signal(signal.SIGKILL)  # abruptly, like a machine that is gone
         stop = preemption.agreed(d.device) if state.epoch < args.epochs else 0
         if stop or due or state.step % args.save_every == 0:
             phases.enter(state.step, "save")
@@ -175,7 +168,8 @@ def main(args):
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
-            val_batches = phases.each(val_batches, state.step, "evaluation")
+            phases.enter(state.step, "evaluation")
+            phases.armed = False  # a long evaluation is not stuck (after_step arms it again)
             val_loss, val_acc, val_count = evaluate(model, val_batches, d.device)
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
@@ -184,7 +178,7 @@ def main(args):
                     log_metrics(args, state, val_loss=val_loss, val_acc=val_acc, img_s=speed)
             state.epoch += 1
             state.position = 0
-            after_step(due=True)  # every rank
+            after_step(due=True)
         writer.finish()  # the last write is on disk (or all stop on its error)
         verified = verify_replicas_identical(model, d)
 
@@ -199,8 +193,6 @@ def main(args):
         else:
             say(f"summary: {state.step} steps, {speed:.1f} img/s over all ranks (the last epoch's)")
             say(f"train loss {losses[0]:.4f} -> {loss:.4f}")
-            if acc < 1.5 / num_classes:  # under 1.5x chance
-                say(f"{state.step} steps may be too few: more --epochs or a smaller --batch-size")
         say(f"verified: {verified}")
 
 
@@ -226,14 +218,12 @@ def build_datasets(args):
 
 
 def data_identity(args, train_set):
-    """What the training data is, not where it lies, for a resume to compare: an ImageFolder's
-    number of images, classes and a sha256 of their names (no file is opened). Your own
-    data: what identifies it (a version, a manifest's sha256)."""
+    """What the training data is, not where it lies, for a resume to compare: the number of
+    images and the classes (no file is opened). Your own data: what identifies it (a
+    version, a manifest's sha256)."""
     if not args.data:
         return f"{args.train_size} synthetic"
-    images = [os.path.relpath(path, args.data) for path, _ in train_set.samples]
-    digest = hashlib.sha256(str(images).encode()).hexdigest()
-    return f"{len(images)} in classes {train_set.classes} (sha256 {digest[:8]})"
+    return f"{len(train_set)} in classes {train_set.classes}"
 
 
 def synthetic_images(count, size, split):
@@ -248,34 +238,26 @@ def synthetic_images(count, size, split):
 
 
 def image_folder(root, transform):
-    """torchvision's ImageFolder (root/CLASS/IMAGE), without hidden files (macOS's ._x.png)
-    or files in hidden folders (a file browser's CLASS/.thumbnails/)."""
-
-    def is_image(path):
-        inside = os.path.relpath(path, root)  # CLASS/IMAGE, or deeper
-        return inside.lower().endswith(IMG_EXTENSIONS) and "/." not in f"/{inside}"
-
+    """torchvision's ImageFolder: root/CLASS/IMAGE, each image read by load_image."""
     try:
-        return ImageFolder(root, transform, loader=load_image, is_valid_file=is_image)
+        return ImageFolder(root, transform, loader=load_image)
     except (OSError, RuntimeError) as e:  # not a folder, no class folders, or no images
         raise SetupError(f"--data {root}: {e}") from e
 
 
 def load_image(path):
-    """The image at path in RGB, or a SetupError naming the file (truncated, not an image, or
-    a decompression bomb: over twice PIL.Image.MAX_IMAGE_PIXELS, refused before decoding)."""
+    """The image at path in RGB, or a SetupError naming the file (truncated, not an image)."""
     try:
         image = PIL.Image.open(path)
         if image.mode == "I;16":  # 16-bit greyscale: to 8 bits, or RGB clips it to white
             image = image.point(lambda value: value / 256)
         return image.convert("RGB")
-    except (OSError, SyntaxError, ValueError, PIL.Image.DecompressionBombError) as e:
+    except (OSError, SyntaxError, ValueError) as e:
         raise SetupError(f"cannot read image {path}: {e}") from None
 
 
 def make_loaders(args, d, train_set, val_set):
     """This rank's training loader (its DistributedSampler's shard) and validation loader."""
-    # default workers: none on the CPU (the cores train), else this process's cores, <= 8
     cuda = d.device.type == "cuda"
     workers = args.workers
     if workers is None:
@@ -496,11 +478,8 @@ def log_metrics(args, state, **fields):
     the fields. plot_metrics.py draws the learning curve from it."""
     if args.metrics:
         lr = state.scheduler.get_last_lr()[0]  # the next step's
-        try:
-            with open(args.metrics, "a") as f:
-                print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
-        except OSError as e:
-            raise SetupError(f"cannot write {args.metrics}: {e.strerror}") from None
+        with open(args.metrics, "a") as f:
+            print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
 
 
 # ---- stopping: a signal asks to stop, the ranks agree at a step boundary -----------------
@@ -511,9 +490,9 @@ class Preemption:
     def __init__(self):
         self.asked = 0  # the signal that asked to stop; 0: none
         self.in_flight = (torch.zeros(1), lambda: None)  # the last step's flags, and a wait
-        # instead of run_rank's handler, which ends the rank at once: these save first
-        signal.signal(signal.SIGTERM, self.ask)  # a scheduler's warning before its SIGKILL
-        signal.signal(signal.SIGUSR1, self.ask)  # sbatch --signal=USR1@120, say
+        # instead of run_rank's handler, which ends the rank at once: a scheduler's warning
+        # before its SIGKILL (SIGTERM; sbatch --signal=USR1@120, say) saves first
+        handle((signal.SIGTERM, signal.SIGUSR1), self.ask)
 
     def ask(self, signum, frame):
         self.asked = signum
@@ -568,12 +547,6 @@ class Phases:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
 
-    def each(self, batches, step, phase):
-        """The batches, each entering the phase: a long evaluation is progress too."""
-        for batch in batches:
-            self.enter(step, phase)
-            yield batch
-
     def watch(self):
         """The thread, once a second. It counts its own seconds: a suspended job (scontrol
         suspend) is not stuck."""
@@ -590,22 +563,21 @@ class Phases:
             time.sleep(1)
 
     def slowest(self):
-        """Every rank, at a progress line: the 3 slowest ranks' [data, forward] seconds since
-        the last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
+        """Every rank, at a progress line: the slowest rank's [data, forward] seconds since the
+        last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
         for, its seconds over the median's (most of them in data), named when they are over
         the median's and 0.1 s. On GPUs the forward's time is the GPU's."""
         if self.events:  # (the progress line's .tolist() waited for them)
-            starts, ends = self.events[::2], self.events[1::2]
-            self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in zip(starts, ends)) / 1000
+            pairs = zip(self.events[::2], self.events[1::2])  # (start, end) of each forward
+            self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in pairs) / 1000
             self.events = []
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
         table[self.d.rank] = torch.tensor(list(self.seconds.values()))  # [data, forward]
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
-        top = before.argsort(descending=True)[:3].tolist()
-        logged = {rank: table[rank].tolist() for rank in top}  # not all: 8,192 ranks, say
-        rank = top[0]
+        rank = int(before.argmax())
+        logged = {rank: table[rank].tolist()}  # not every rank's: 8,192 ranks, say
         median = before.median()
         excess = before[rank] - median
         if excess < max(median, 0.1):
@@ -668,35 +640,25 @@ def lock(folder):
 
 def newest_readable(folder, identity):
     """Rank 0: (path, contents) of the newest checkpoint that verifies, or None; it must fit
-    identity. Newer ones that do not are renamed *.unreadable, for a person to look at; if none
-    does but one was finished (it has its sha256), the job stops rather than start over."""
-    newest = None
-    unreadable = {}  # path: the error that names it and says why
+    identity. Newer ones that do not are renamed *.unreadable, for a person to look at (and
+    out of prune's way)."""
     for path in checkpoints_in(folder):
         try:
             saved = read_checkpoint(path)
-            newest = path
-            break
         except SetupError as e:
-            unreadable[path] = e
-    if newest is None and any(marker(path).exists() for path in unreadable):  # one finished
-        none = f"{folder} holds {len(unreadable)} checkpoint(s) and none is readable"
-        reasons = "; ".join(map(str, unreadable.values()))
-        raise SetupError(f"{none} ({reasons}). Move them away to start over")
-    for path, e in unreadable.items():
-        print(f"WARNING: {e}; renamed it *.unreadable", file=sys.stderr)
-        path.rename(f"{path}.unreadable")
-    if newest is None:
-        say(f"no checkpoint in {folder}: starting from step 0")
-        return None
-    there = saved["args"]  # a resume must share identity with its checkpoint
-    differ = [
-        f"{k} {there.get(k)} there, {v} here" for k, v in identity.items() if there.get(k) != v
-    ]
-    if differ:
-        same = "Resume with the same ones or use another --checkpoint-dir"
-        raise SetupError(f"{newest} was written with other settings: {'; '.join(differ)}. {same}")
-    return newest, saved
+            print(f"WARNING: {e}; renamed it *.unreadable", file=sys.stderr)
+            path.rename(f"{path}.unreadable")
+            continue
+        there = saved["args"]  # a resume must share identity with its checkpoint
+        differ = [
+            f"{k} {there.get(k)} there, {v} here" for k, v in identity.items() if there.get(k) != v
+        ]
+        if differ:
+            same = "Resume with the same ones or use another --checkpoint-dir"
+            raise SetupError(f"{path} was written with other settings: {'; '.join(differ)}. {same}")
+        return path, saved
+    say(f"no checkpoint in {folder}: starting from step 0")
+    return None
 
 
 def checkpoints_in(folder):
@@ -752,35 +714,29 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     if total < state.step:
         raise SetupError(f"--epochs {args.epochs} ends before {path.name}: {done}")
     planned = state.scheduler.total_steps  # the checkpoint's plan (loaded)
-    # a one-cycle schedule of the new length, at the step reached (last_epoch reads the
-    # loaded initial_lr)
+    # last_epoch: the step reached (OneCycleLR reads the loaded initial_lr)
     if total != planned:
         state.scheduler = torch.optim.lr_scheduler.OneCycleLR(
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
-    # (another world size with the global batch held trains the same, --norm group exactly)
-    was = (saved["world_size"], saved["global_batch"], planned)
-    now = (d.world_size, d.world_size * args.batch_size * args.accum_steps, total)
+    was = (saved["global_batch"], planned)
+    now = (d.world_size * args.batch_size * args.accum_steps, total)
     if d.rank == 0:
         say(f"resuming from {path}: {done}, global step {state.step}")
         if was != now:
             say(
-                f"world size, global batch, steps: {was} -> {now} "
+                f"global batch, steps: {was} -> {now} "
                 "(global batch = world size x --batch-size x --accum-steps)"
             )
 
 
 def save(state, writer, args, d, identity):
-    """Every rank, at the same step: the weights are checked finite (the same verdict on every
-    rank) and the previous write must have finished; then rank 0 serialises the state, and
-    the Writer's thread writes the bytes while training goes on."""
-    finite = all(p.isfinite().all() for p in state.model.parameters())
-    check(finite, "finite weights", f"not finite at step {state.step}: lower --lr")
+    """Every rank, at the same step: the previous write must have finished; then rank 0
+    serialises the state, and the Writer's thread writes the bytes while training goes on."""
     # rank 0 may still be writing the last (slow disk: a longer --timeout)
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict() | {
-            "world_size": d.world_size,
             "global_batch": d.world_size * args.batch_size * args.accum_steps,
             "args": identity,
         }
@@ -812,16 +768,12 @@ class Writer:
         except Exception as e:  # noqa: BLE001 - any: finish() reports it on every rank
             self.error = f"rank 0 could not write a checkpoint: {e}"
 
-    def join(self):
-        """Rank 0 waits for the write under way, if any; also when the rank ends, on an error
-        too."""
-        if self.thread:
-            self.thread.join()
-
     def finish(self):
         """Every rank: rank 0 waits for its write; all raise its error, if any, so that none
-        trains on alone."""
-        self.join()
+        trains on alone. (A rank ending on an error or a signal does not wait: that write is
+        lost, the ones before it are not.)"""
+        if self.thread:
+            self.thread.join()
         error = [self.error]
         dist.broadcast_object_list(error, src=0)
         if error[0]:
@@ -845,7 +797,7 @@ def attempt_store(timeout):
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
         return None
     host = env["MASTER_ADDR"]
-    limit = datetime.timedelta(seconds=timeout)
+    limit = timedelta(seconds=timeout)
     agent = dist.TCPStore(host, int(env["MASTER_PORT"]), is_master=False, timeout=limit)
     if env["RANK"] == "0":
         store = dist.TCPStore(host, 0, is_master=True, timeout=limit)
@@ -1010,12 +962,8 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time; a line stdout cannot take (closed, or piped into a
-    `head` that has exited) is dropped."""
-    try:
-        print(text, flush=True)
-    except OSError:
-        pass
+    """Rank 0's story, a line at a time (flushed: os._exit leaves nothing in a buffer)."""
+    print(text, flush=True)
 
 
 def number(cast, low):
@@ -1057,7 +1005,7 @@ def launch(main, args):
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(n), LOCAL_WORLD_SIZE=str(n)
     )
-    if args.spawn is None:
+    if not args.spawn:
         run_rank(0, main, args)
     # a signal sent to this process alone (Kubernetes signals a container's first process)
     # goes on to every rank, as torchrun forwards it
@@ -1075,9 +1023,9 @@ def forward(signum, frame):
         os.kill(rank.pid, signum)
 
 
-# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal,
-# SIGQUIT: each ends a rank with one line
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+# Ctrl-C, a scheduler's warning (SIGTERM; SIGUSR1 from sbatch --signal), a closed terminal:
+# each ends a rank with one line
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def run_rank(index, main, args):
@@ -1096,12 +1044,12 @@ def run_rank(index, main, args):
             why = f"CHECK FAILED: {e}"
         except (SetupError, dist.DistError) as e:
             # (a DataLoader worker's SetupError ends torch's text)
-            why = "error: " + str(e).strip().rpartition("SetupError: ")[2]
+            why = "error: " + str(e).rpartition("SetupError: ")[2]
         except Exception as e:
             why = f"error: {type(e).__name__}: {e}"
-            # Gloo's errors name its files (".../gloo/transport/tcp/pair.cc") or say "...
-            # caused pair closure", torch 2.15's NCCL's end "NCCL Last Error": a collective
-            # failed (a peer is gone, or timed out). Anything else is a bug: keep its traceback.
+            # A failed collective (a peer gone, or timed out): Gloo's errors name its files
+            # (".../gloo/...") or say "pair closure"; torch 2.15's NCCL's end "NCCL Last
+            # Error". Anything else is a bug: keep its traceback.
             if not re.search("gloo/|pair closure|NCCL Last Error", why):
                 traceback.print_exc()
         finally:
@@ -1132,24 +1080,26 @@ def stop(signum, frame):
 def setup(timeout, store=None):
     """Check the launcher's variables, bind this process to its device, join the group;
     returns who this process is in the job (d: rank, world_size, device)."""
-    # set by the launcher
-    env = {v: os.getenv(v, "") for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    rank, world, local_rank, local_world = [int(v) if v.isdigit() else -1 for v in env.values()]
-    if not (0 <= rank < world and 0 <= local_rank < local_world <= world):
-        raise SetupError(f"the launcher's variables are invalid: {env}")
+    # set by the launcher; -1: not set
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+    rank, world, local_rank, local_world = [int(os.getenv(v, -1)) for v in names]
+    if not (0 <= rank < world and 0 <= local_rank < local_world):
+        raise SetupError(
+            f"the launcher's variables are invalid: RANK {rank}, WORLD_SIZE {world}, "
+            f"LOCAL_RANK {local_rank}, LOCAL_WORLD_SIZE {local_world} (-1: not set)"
+        )
     device = bind_device(local_rank, local_world)
     cuda = device.type == "cuda"
-    # A thread joins while this one waits, until the timeout or a signal: torch's store
-    # waits in C++, where Ctrl-C cannot end it, and can wait past its timeout.
-    # device_id: NCCL connects now, on this GPU.
+    # A thread joins, so that the deadline or Ctrl-C ends the wait (torch's store waits in
+    # C++, past its timeout too). device_id: NCCL connects now, on this GPU.
     try:
-        concurrent.futures.ThreadPoolExecutor(1).submit(
+        ThreadPoolExecutor(1).submit(
             dist.init_process_group,
             "nccl" if cuda else "gloo",
             store=store,
             rank=rank,
             world_size=world,
-            timeout=datetime.timedelta(seconds=timeout),
+            timeout=timedelta(seconds=timeout),
             device_id=device if cuda else None,
         ).result(timeout + 2)
     except Exception as e:  # torch's error (C++ adds a stack trace), or our deadline's
@@ -1172,7 +1122,7 @@ def bind_device(local_rank, local_world):
     # one-GPU machine, where NCCL refuses a second process
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
-    device = torch.device("cuda", local_rank if gpus > 1 else 0)  # GPU ids restart per node
+    device = torch.device("cuda", local_rank % gpus)  # GPU ids restart per node
     torch.cuda.set_device(device)  # before init: nothing lands on GPU 0
     return device
 

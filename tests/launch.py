@@ -133,7 +133,7 @@ def dump_stacks(procs, err_files: list[Path]) -> None:
 
 # The signals the scripts end on (their STOP_SIGNALS): every launch, and every forked rank,
 # starts with their default action (or ignores those a test names), whatever the session had.
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1)
 
 
 def start(

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-import shutil
 
 import numpy as np
 import pytest
@@ -77,7 +76,6 @@ def assert_trained(stdout: str, ranks: int) -> None:
     verified = VERIFIED.search(stdout)
     assert verified and int(verified[1]) == ranks, stdout
     assert stdout.strip().splitlines()[-1].startswith("verified:")
-    assert "may be too few" not in stdout  # it learnt: no hint
     assert re.search(r"^epoch 1  step\s+3/12\s+loss [\d.]+\s+acc\s+[\d.]+%$", stdout, re.M)
 
 
@@ -103,17 +101,6 @@ def test_a_bfloat16_model_is_verified_and_saved(tmp_path):
     assert r.stdout.splitlines()[-1].startswith("verified: 2 rank(s) hold identical"), r
     weights = torch.load(saved, weights_only=True)
     assert weights["fc.weight"].dtype == torch.bfloat16
-
-
-def test_a_run_that_learns_nothing_says_its_steps_may_be_too_few():
-    # Issue #52: a run too short to learn (sklearn's digits with the defaults: 15 steps,
-    # validation at chance) ended `verified:`, exit 0, with no word. A training accuracy
-    # under 1.5x chance now gets a line with the step count and the flags that give more
-    # (here --lr 0, so that nothing is learnt on any machine; a run that learns has none).
-    r = forked(SCRIPT, *TINY, "--lr", "0", nproc=2).ok()
-    hint = "2 steps may be too few: more --epochs or a smaller --batch-size\n"
-    assert r.stdout.endswith(hint + r.stdout.splitlines()[-1] + "\n"), r
-    assert r.stdout.splitlines()[-1].startswith("verified: 2 rank(s)"), r
 
 
 @pytest.mark.parametrize("nproc, images", [(2, 66), (1, 33)])
@@ -495,8 +482,7 @@ def test_sync_batchnorm_is_a_line_for_gpus_that_ddp_refuses_on_the_cpu(tmp_path)
 
 
 def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
-    """root/{train,val}/CLASS/i.png: class a 8-bit greyscale (a ramp), the others 8-bit RGB;
-    and in every class folder a macOS resource fork, ._0.png, which is not an image at all."""
+    """root/{train,val}/CLASS/i.png: class a 8-bit greyscale (a ramp), the others 8-bit RGB."""
     from PIL import Image
 
     ramp = np.arange(size[0] * size[1]).reshape(size) * 255 // (size[0] * size[1] - 1)
@@ -504,7 +490,6 @@ def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
         for c, name in enumerate(classes):
             folder = root / split / name
             folder.mkdir(parents=True)
-            (folder / "._0.png").write_bytes(b"\x00\x05\x16\x07 Mac OS X resource fork")
             for i in range(per_class):
                 if c == 0:
                     Image.fromarray(ramp.astype(np.uint8)).save(folder / f"{i}.png")
@@ -512,22 +497,15 @@ def image_tree(root, classes=("a", "b"), per_class=4, size=(20, 20)) -> None:
                     Image.new("RGB", size, (30 * c, 200, 90)).save(folder / f"{i}.png")
 
 
-def test_hidden_files_and_folders_are_skipped(tmp_path):
-    # ImageFolder read ._0.png as an image (UnidentifiedImageError in training), and trained
-    # the images of a hidden folder inside a class (a file browser's .thumbnails/) as that
-    # class. A hidden folder above the split (data kept under ~/.cache, say) hides nothing.
+def test_an_image_folder_of_greyscale_and_rgb_images_trains(tmp_path):
+    # greyscale images come out as RGB (each channel the grey), and both ranks train on the
+    # folder tree. (Hidden files, macOS's ._x.png, are no longer skipped: NOTES.md, "Rare
+    # traps"; one is named like any unreadable image: the test below.)
     image_tree(tmp_path)
-    thumbnails = tmp_path / "train" / "a" / ".thumbnails"
-    thumbnails.mkdir()
-    for i in range(4):
-        shutil.copy(tmp_path / "train" / "a" / f"{i}.png", thumbnails / f"{i}.png")
     script = load_script(SCRIPT)
     to_tensor = script.torchvision.transforms.PILToTensor()
     train = script.image_folder(tmp_path / "train", to_tensor)
-    assert len(train) == 8 and not any("/." in path for path, _ in train.samples)
-    cached = tmp_path / ".cache" / "train"
-    shutil.copytree(tmp_path / "train", cached)
-    assert len(script.image_folder(cached, to_tensor)) == 8
+    assert len(train) == 8
     pixels, label = train[0]  # class a's first: the greyscale ramp, in each RGB channel
     assert label == 0 and pixels.dtype == torch.uint8 and pixels.shape == (3, 20, 20)
     assert torch.equal(pixels[0], torch.arange(400).reshape(20, 20) * 255 // 399)
@@ -535,36 +513,20 @@ def test_hidden_files_and_folders_are_skipped(tmp_path):
     assert "8 train / 8 val images" in r.stdout and int(VERIFIED.search(r.stdout)[1]) == 2, r
 
 
-def test_a_decompression_bomb_is_named_like_any_unreadable_image(tmp_path):
-    # A PNG whose header claims 20000 x 10000 pixels, past twice PIL's MAX_IMAGE_PIXELS: PIL
-    # refuses it at open (DecompressionBombError, no OSError), before decoding anything. It
-    # was a traceback that did not name the file.
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, data: bytes) -> bytes:
-        return (
-            struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
-        )
-
-    bomb = tmp_path / "bomb.png"
-    header = struct.pack(">IIBBBBB", 20000, 10000, 8, 2, 0, 0, 0)  # RGB, 8 bits
-    bomb.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b""))
-    script = load_script(SCRIPT)
-    with pytest.raises(script.SetupError, match=rf"^cannot read image {re.escape(str(bomb))}: "):
-        script.load_image(bomb)
-
-
-@pytest.mark.parametrize("workers", [0, 1])
-def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, tmp_path):
+@pytest.mark.parametrize("workers, name", [(0, "9.jpg"), (1, "9.jpg"), (0, "._9.png")])
+def test_an_unreadable_image_is_named_in_one_line_on_every_rank(workers, name, tmp_path):
     # a truncated JPEG in val/: it was a raw OSError traceback naming no file; read in a
-    # DataLoader worker (--workers 1), torch re-raises it holding the worker's traceback
+    # DataLoader worker (--workers 1), torch re-raises it holding the worker's traceback.
+    # macOS's resource fork ._9.png is not an image either (ImageFolder takes it for one).
     from PIL import Image
 
     image_tree(tmp_path)
-    bad = tmp_path / "val" / "b" / "9.jpg"
-    Image.new("RGB", (64, 64), (1, 2, 3)).save(bad, quality=95)
-    bad.write_bytes(bad.read_bytes()[:300])
+    bad = tmp_path / "val" / "b" / name
+    if name == "9.jpg":
+        Image.new("RGB", (64, 64), (1, 2, 3)).save(bad, quality=95)
+        bad.write_bytes(bad.read_bytes()[:300])
+    else:
+        bad.write_bytes(b"\x00\x05\x16\x07 Mac OS X resource fork")
     args = ["--data", tmp_path, "--image-size", 16, "--batch-size", 4, "--workers", workers]
     r = forked(SCRIPT, *args, "--timeout", 30, nproc=2)
     assert r.returncode == 1, r

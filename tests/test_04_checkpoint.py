@@ -420,8 +420,9 @@ def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
 
 def test_the_data_is_known_by_its_images_not_where_they_lie(tmp_path):
     # A cluster stages the data to another folder for each job: the requeued job went on
-    # being refused (--data compared as a path). Now its images' names are compared, and
-    # an option it makes irrelevant (--train-size) no longer matters. --epochs may grow.
+    # being refused (--data compared as a path). Now its number of images and its classes
+    # are compared, and an option it makes irrelevant (--train-size) no longer matters.
+    # --epochs may grow.
     image_folder(tmp_path / "images")
     args = [*SMALL, "--batch-size", 4, "--checkpoint-dir", tmp_path / "ckpt"]
     forked(SCRIPT, *args, "--data", tmp_path / "images", "--epochs", 1).ok()
@@ -429,17 +430,16 @@ def test_the_data_is_known_by_its_images_not_where_they_lie(tmp_path):
     shutil.copytree(tmp_path / "images", staged)
     r = forked(SCRIPT, *args, "--data", staged, "--epochs", 2, "--train-size", 64).ok()
     assert "epoch 2 with 0 of its images done, global step 8" in r.stdout, r
-    assert "world size, global batch, steps: (1, 4, 8) -> (1, 4, 16)" in r.stdout, r
+    assert "global batch, steps: (4, 8) -> (4, 16)" in r.stdout, r
     assert "epoch 2 done" in r.stdout
     r = forked(SCRIPT, *args, "--data", staged, "--epochs", 1).failed()
     assert "--epochs 1 ends before step-00000016.pt: epoch 3 with 0 of its images done" in r.stderr
-    # 8 images moved from one class to the other: same number, same names, refused
-    for i in range(8):
-        (staged / "train/red" / f"{i}.png").rename(staged / "train/blue" / f"moved{i}.png")
+    # one more image: refused, naming both (images moved between classes, the same number,
+    # are not seen: NOTES.md, "Rare traps")
+    shutil.copy(staged / "train/red/0.png", staged / "train/red/extra.png")
     r = forked(SCRIPT, *args, "--data", staged, "--epochs", 3).failed()
-    same = r"32 in classes \['blue', 'red'\] \(sha256 (\w+)\)"
-    there, here = re.search(rf"settings: images {same} there, {same} here\.", r.stderr).groups()
-    assert there != here, r
+    there, here = "32 in classes ['blue', 'red']", "33 in classes ['blue', 'red']"
+    assert f"settings: images {there} there, {here} here. Resume with" in r.stderr, r
 
 
 def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path):
@@ -457,7 +457,8 @@ def test_another_world_size_with_the_global_batch_held_trains_the_same(tmp_path)
         shutil.copytree(whole, folder, ignore=shutil.ignore_patterns("step-00000004.pt*"))
         r = forked(SCRIPT, *base, *change, "--checkpoint-dir", folder, nproc=nproc, env=FLOAT64)
         r.ok()
-        assert f"world size, global batch, steps: (2, 8, 4) -> ({nproc}, 8, 4)" in r.stdout, r
+        # the global batch held and the same number of steps: no line on it
+        assert "resuming from" in r.stdout and "global batch, steps:" not in r.stdout, r
         ended = torch.load(folder / "step-00000004.pt", weights_only=True)["model"]
         for name, tensor in ended_whole.items():
             assert torch.allclose(ended[name], tensor, rtol=0, atol=1e-9), name
@@ -647,7 +648,10 @@ def test_a_truncated_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     assert final_state(r.stdout) == expected
 
 
-def test_a_folder_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
+def test_a_folder_of_only_unreadable_checkpoints_is_kept_aside_and_the_run_starts_over(tmp_path):
+    # Each is renamed *.unreadable with a warning naming it and why, and the run starts from
+    # step 0: its own checkpoints are not pruned for those. (Until session 24 a finished one,
+    # with its sha256, stopped the run instead: NOTES.md, "Rare traps".)
     (tmp_path / "step-00000010.pt").write_bytes(b"not a zip file")
     (tmp_path / "step-00000010.pt.sha256").write_text("0" * 64 + "  step-00000010.pt\n")
     (tmp_path / "step-00000020.pt").write_bytes(b"a save that never finished")
@@ -660,19 +664,19 @@ def test_a_folder_of_only_unreadable_checkpoints_stops_the_run(tmp_path):
     torch.save({"args": {}, "lr": fractions.Fraction(1, 3)}, refused)
     digest = hashlib.sha256(refused.read_bytes()).hexdigest()
     (tmp_path / "step-00000040.pt.sha256").write_text(f"{digest}  step-00000040.pt\n")
-    r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).failed()
-    reasons = (
-        "step-00000040.pt: not a checkpoint of this script; "
-        "step-00000030.pt: not a checkpoint of this script; step-00000020.pt: no "
-        "step-00000020.pt.sha256: the save did not finish; step-00000010.pt: sha256 mismatch "
-        "(14 bytes): truncated or corrupted"
-    )
-    for rank in (0, 1):  # every rank reaches the same verdict
-        assert (
-            f"[rank {rank}] error: {tmp_path} holds 4 checkpoint(s) and none is readable "
-            f"({reasons}). Move them away to start over"
-        ) in r.stderr, r
-    assert "step 0" not in r.stdout  # it did not start from scratch
+    r = forked(SCRIPT, *SMALL, "--checkpoint-dir", tmp_path, nproc=2).ok()
+    reasons = [
+        "step-00000040.pt: not a checkpoint of this script",
+        "step-00000030.pt: not a checkpoint of this script",
+        "step-00000020.pt: no step-00000020.pt.sha256: the save did not finish",
+        "step-00000010.pt: sha256 mismatch (14 bytes): truncated or corrupted",
+    ]
+    warnings = [line for line in r.stderr.splitlines() if line.startswith("WARNING: ")]
+    assert warnings == [f"WARNING: {why}; renamed it *.unreadable" for why in reasons], r
+    assert f"no checkpoint in {tmp_path}: starting from step 0" in r.stdout, r
+    aside = sorted(path.name for path in tmp_path.glob("*.unreadable"))
+    assert aside == [f"step-000000{n}0.pt.unreadable" for n in (1, 2, 3, 4)], aside
+    assert int(VERIFIED.search(r.stdout)[1]) == 2 and (tmp_path / "step-00000008.pt").exists()
 
 
 def test_a_second_job_in_the_same_checkpoint_dir_is_refused(tmp_path, reference):
@@ -841,14 +845,16 @@ def test_a_compiled_models_state_dict_keeps_plain_keys():
     assert list(model.state_dict()) == keys and "conv1.weight" in keys
 
 
-def test_a_diverging_run_saves_no_non_finite_checkpoint(tmp_path):
-    args = [*SMALL[:-6], "--save-every", 1, "--lr", "1e6", "--timeout", 60]
+def test_a_diverging_run_ends_on_its_first_non_finite_loss(tmp_path):
+    # --lr 1e6: the first progress line's loss is not finite, and every rank ends there. (A
+    # save between progress lines may hold the diverged weights: the check before each
+    # save left in session 24, NOTES.md, "Rare traps".)
+    args = [*SMALL[:-6], "--log-every", 1, "--lr", "1e6", "--timeout", 60]
     r = forked(SCRIPT, *args, "--checkpoint-dir", tmp_path, nproc=2)
     assert r.returncode == 1, r
-    assert re.search(r"^\[rank 0\] CHECK FAILED: finite (weights|loss): ", r.stderr, re.M), r
-    for saved in tmp_path.glob("step-*.pt"):  # those written before it diverged: finite
-        model = torch.load(saved, weights_only=True)["model"]
-        assert all(t.isfinite().all() for t in model.values() if t.is_floating_point()), saved
+    for rank in (0, 1):
+        finite = rf"^\[rank {rank}\] CHECK FAILED: finite loss: the loss is (nan|inf): lower --lr$"
+        assert re.search(finite, r.stderr, re.M), r
     assert "verified" not in r.stdout
 
 
@@ -895,12 +901,13 @@ def test_04_is_03_plus_the_checkpoint_lesson():
 
 # --- moved from 03: the metrics log, seeded augmentation -----------------------------------
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="no /dev/full here")
-def test_a_metrics_log_that_cannot_be_written_is_named_in_one_line(tmp_path):
-    # A full disk (/dev/full: every write fails with ENOSPC) under the log: it ended the job
-    # with a chained traceback that named no file.
+def test_a_metrics_log_that_cannot_be_written_ends_the_job_with_its_oserror(tmp_path):
+    # A full disk (/dev/full: every write fails with ENOSPC) under the log: Python's error,
+    # with its traceback (the one line that named the file left in session 24: NOTES.md)
     args = [*SMALL, "--log-every", 2, "--checkpoint-dir", tmp_path]
     r = forked(SCRIPT, *args, "--metrics", "/dev/full").failed()
-    assert r.stderr == "[rank 0] error: cannot write /dev/full: No space left on device\n", r
+    last = "[rank 0] error: OSError: [Errno 28] No space left on device"
+    assert r.stderr.splitlines()[-1] == last and "Traceback" in r.stderr, r
 
 
 def test_the_metrics_log_holds_each_progress_line_and_epoch(tmp_path):
@@ -925,14 +932,10 @@ def test_the_metrics_log_holds_each_progress_line_and_epoch(tmp_path):
     epochs = [x for x in lines if "val_loss" in x]
     assert [(f"{x['val_loss']:.4f}", f"{x['val_acc']:.1%}"[:-1]) for x in epochs] == val
     assert all(x["lr"] > 0 for x in lines) and all(x["img_s"] > 0 for x in epochs)
-    # each progress line: the slowest ranks' [data, forward] seconds since the last (at most
-    # 3 of them, by rank: Phases.slowest), slowest first
+    # each progress line: the slowest rank's [data, forward] seconds since the last
     for x in steps:
-        seconds = x["rank_seconds"]
-        assert sorted(seconds) == ["0", "1"], x
-        assert all(len(s) == 2 and min(s) > 0 for s in seconds.values()), x
-        totals = [sum(s) for s in seconds.values()]
-        assert totals == sorted(totals, reverse=True), x
+        [(rank, seconds)] = x["rank_seconds"].items()
+        assert rank in ("0", "1") and len(seconds) == 2 and min(seconds) > 0, x
 
 
 def test_random_augmentation_on_two_ranks_with_workers_equals_one_process(tmp_path):

@@ -14,7 +14,6 @@ import signal
 import subprocess
 
 import pytest
-import torch
 
 from launch import (
     LAUNCH_VARS,
@@ -169,14 +168,14 @@ LONG += ["--epochs", 1000, "--log-every", 1, "--timeout", 60]
 STEP_2 = "step     2/"  # in 03's progress line: the job is training
 
 
-@pytest.mark.parametrize("sig", [signal.SIGQUIT, signal.SIGUSR1])
+@pytest.mark.parametrize("sig", [signal.SIGHUP, signal.SIGUSR1])
 def test_a_signal_ends_the_rank_at_once_with_one_line(sig, tmp_path):
-    # Ctrl-C, a scheduler's stop (SLURM and Kubernetes send SIGTERM; sbatch --signal, SIGUSR1),
-    # a closed terminal, and SIGQUIT (torchrun forwards it): one line, exit 128 + the signal's
-    # number (as a shell reports a signalled process), the exit hooks run; no traceback and no
-    # destroy_process_group (on NCCL it could wait for peers). SIGINT, SIGTERM and SIGHUP
-    # take the same path (STOP_SIGNALS): Ctrl-C under --spawn and torchrun's SIGTERM below,
-    # SIGHUP ignored under nohup.
+    # Ctrl-C, a scheduler's stop (SLURM and Kubernetes send SIGTERM; sbatch --signal, SIGUSR1)
+    # and a closed terminal (SIGHUP): one line, exit 128 + the signal's number (as a shell
+    # reports a signalled process), the exit hooks run; no traceback and no
+    # destroy_process_group (on NCCL it could wait for peers). SIGINT and SIGTERM take the
+    # same path (STOP_SIGNALS): Ctrl-C under --spawn and torchrun's SIGTERM below. (SIGQUIT,
+    # Ctrl-\, keeps its default since session 24: NOTES.md, "Rare traps".)
     job = Watched("03_ddp_train.py", *LONG, launcher="forked", env=exit_hook_env(tmp_path))
     job.wait_for(STEP_2)
     os.kill(job.proc.pid, sig)
@@ -269,11 +268,11 @@ def test_a_job_with_stdout_closed_succeeds_and_says_nothing_else(tmp_path):
     assert hooks_that_ran(tmp_path) == ["rank0", "rank1"]
 
 
-def test_a_job_piped_into_a_reader_that_has_gone_trains_to_the_end(tmp_path):
-    # `python 03_ddp_train.py | head -1`: once head has exited, the next progress line
-    # raised BrokenPipeError and training died with its traceback. Here the reader is gone
-    # before the job starts, so every line rank 0 prints meets a broken pipe; the job must
-    # still train, save and succeed. (A pipe whose read end is closed: no race with head.)
+def test_a_job_piped_into_a_reader_that_has_gone_ends_at_its_first_line(tmp_path):
+    # `python 03_ddp_train.py | head -1`: once head has exited, rank 0's next line raises
+    # BrokenPipeError, which ends the job as Python ends `yes | head` (until session 24 the
+    # line was dropped and training went on: NOTES.md, "Rare traps"). Here the reader is gone
+    # before the job starts, so the first line meets a broken pipe: no race with head.
     model = tmp_path / "model.pt"
     args = [*LONG[:-6], "--epochs", 2, "--save-model", model]
     read, write = os.pipe()
@@ -289,6 +288,6 @@ def test_a_job_piped_into_a_reader_that_has_gone_trains_to_the_end(tmp_path):
         )
     finally:
         os.close(write)
-    assert (done.returncode, done.stderr) == (0, ""), done
-    weights = torch.load(model, weights_only=True)  # the finished job's, written whole
-    assert weights["fc.weight"].shape == (10, 512)
+    assert done.returncode == 1, done
+    assert done.stderr.endswith("[rank 0] error: BrokenPipeError: [Errno 32] Broken pipe\n"), done
+    assert not model.exists(), done
