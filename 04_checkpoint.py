@@ -135,7 +135,6 @@ def main(args):
         """Every rank, after each step (an epoch's last: after its validation): --simulate-failure;
         a save every --save-every steps and at an epoch's end (due); a stop if any rank was
         asked, saved first (after the last epoch, nothing is left to stop)."""
-        phases.armed = True
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not resumed:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             signal.raise_signal(signal.SIGKILL)  # abruptly, like a machine that is gone
@@ -150,6 +149,7 @@ def main(args):
                 (args.checkpoint_dir / "preempted").touch()
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
+        phases.armed = True  # after a save's enter: an evaluation's seconds do not count
 
     hooks = (phases, after_step)
     losses = []

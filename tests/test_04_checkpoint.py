@@ -354,16 +354,23 @@ def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
     assert "stuck for" not in r.stderr and "Timeout" not in r.stderr, r
 
 
-@pytest.mark.hangs  # about 14 s, 8 of them in the first step
-def test_a_first_step_longer_than_the_watchdog_is_not_stuck(tmp_path):
+@pytest.mark.hangs  # about 14 s each, 8 of them in the long phase
+@pytest.mark.parametrize("long", ["first step", "evaluation"])
+def test_a_first_step_or_an_evaluation_longer_than_the_watchdog_is_not_stuck(long, tmp_path):
     # A first step that compiles (torch.compile, max-autotune, cudnn.benchmark) takes as long
     # on every rank: no collective times out, but the watchdog (--timeout + 5 = 6 s here)
     # ended the rank. It is armed at the first step's end now, but for data loading (the
-    # next test: a worker blocked in step 0 is still ended).
-    anchor = "                    logits = model(images)\n"
-    compile_ = "                    if state.step == 0:\n"
-    compile_ += "                        time.sleep(8)  # compiling\n"
-    script = inserted_copy(tmp_path / "compiles.py", SCRIPT, anchor, compile_)
+    # next test: a worker blocked in step 0 is still ended). A long evaluation: the watchdog
+    # stands down for it, and is armed again only after the epoch's save has entered its
+    # phase (armed first, it could end the rank in that moment: a fresh read found it).
+    if long == "first step":
+        anchor = "                    logits = model(images)\n"
+        pause = "                    if state.step == 0:\n"
+        pause += "                        time.sleep(8)  # compiling\n"
+    else:
+        anchor = "            val_loss, val_acc, val_count = evaluate("
+        pause = "            time.sleep(8)  # a long validation\n"
+    script = inserted_copy(tmp_path / "long.py", SCRIPT, anchor, pause)
     args = [*SMALL, "--epochs", 1, "--timeout", 1, "--checkpoint-dir", tmp_path / "ckpt"]
     r = run(script, *args, timeout=120)
     assert r.returncode == 0 and "verified: 1 rank(s) hold identical" in r.stdout, r
