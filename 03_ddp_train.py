@@ -83,9 +83,9 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP copies rank 0's buffers (BatchNorm's running statistics, which only evaluation
-    # reads) to every rank at each forward, a collective each; the epoch loop does it once,
-    # before evaluating. Not DDP(broadcast_buffers=False): that skips the first copy too.
+    # By default DDP broadcasts rank 0's buffers (BatchNorm's running statistics, which only
+    # evaluation reads) at every forward. Off after the constructor's first copy: the epoch
+    # loop copies them once, before evaluating (DDP(broadcast_buffers=False) skips both).
     ddp_model.broadcast_buffers = False
     torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
@@ -252,7 +252,7 @@ def train_one_epoch(model, loader, state, args, d):
             step_sums[0] += loss.detach() * len(labels)
             step_sums[1] += (logits.argmax(1) == labels).sum()
             step_sums[2] += len(labels)
-        sums += step_sums
+        sums += step_sums  # before the progress line all-reduces step_sums in place
         state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         state.scaler.update()
         state.optimizer.zero_grad()

@@ -108,9 +108,9 @@ def main(args):
         # static_graph=True: every step uses the same parameters, so DDP can plan ahead;
         # gradient_as_bucket_view=True: the gradients live in the buckets, saving a copy
     )
-    # DDP copies rank 0's buffers (BatchNorm's running statistics, which only evaluation
-    # reads) to every rank at each forward, a collective each; the epoch loop does it once,
-    # before evaluating. Not DDP(broadcast_buffers=False): that skips the first copy too.
+    # By default DDP broadcasts rank 0's buffers (BatchNorm's running statistics, which only
+    # evaluation reads) at every forward. Off after the constructor's first copy: the epoch
+    # loop copies them once, before evaluating (DDP(broadcast_buffers=False) skips both).
     ddp_model.broadcast_buffers = False
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
@@ -406,7 +406,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             step_sums[0] += loss.detach() * len(labels)
             step_sums[1] += (logits.argmax(1) == labels).sum()
             step_sums[2] += len(labels)
-        sums += step_sums
+        sums += step_sums  # before the progress line all-reduces step_sums in place
         state.scaler.step(state.optimizer)  # optimizer.step(), skipped if fp16 overflowed
         state.scaler.update()
         state.optimizer.zero_grad()
@@ -527,7 +527,7 @@ class Phases:
         self.limit = timeout + 5
         self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
-        self.armed = False  # the watchdog (but on data): from the first step's end
+        self.armed = False  # the watchdog: on data from the start, the rest from step 1's end
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}
         self.events = []  # GPUs: CUDA events at each forward's start and end
@@ -565,8 +565,9 @@ class Phases:
     def slowest(self):
         """Every rank, at a progress line: the slowest rank's [data, forward] seconds since the
         last one, and "" or "  slowest: rank 2 (data +0.27s)": the rank the others waited
-        for, its seconds over the median's (most of them in data), named when they are over
-        the median's and 0.1 s. On GPUs the forward's time is the GPU's."""
+        for, its seconds over the median's (most of them in data), named when that excess is
+        at least the median (the rank took twice as long) and 0.1 s. On GPUs the forward's
+        time is the GPU's."""
         if self.events:  # (the progress line's .tolist() waited for them)
             pairs = zip(self.events[::2], self.events[1::2])  # (start, end) of each forward
             self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in pairs) / 1000
