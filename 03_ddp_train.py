@@ -87,7 +87,7 @@ def main(args):
     # evaluation reads) at every forward. Off after the constructor's first copy: the epoch
     # loop copies them once, before evaluating (DDP(broadcast_buffers=False) skips both).
     ddp_model.broadcast_buffers = False
-    torch.manual_seed(d.rank)  # but each rank its own random numbers (dropout, say)
+    torch.manual_seed(d.rank)  # but each rank its own dropout (the sampler seeds its shuffle)
     optimizer = torch.optim.SGD(model.parameters(), args.lr, momentum=0.9, weight_decay=5e-4)
     scheduler = torch.optim.lr_scheduler.OneCycleLR(
         optimizer, args.lr, steps_per_epoch * args.epochs
