@@ -343,9 +343,11 @@ def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
     # longer than --timeout + 5 is not a stuck rank (faulthandler's watchdog, before #52,
     # ended the rank on SIGCONT). One process: with peers, a collective under way when the
     # job stops counts wall time in Gloo and NCCL and may time out on SIGCONT (NOTES.md).
-    args = [*SMALL, "--train-size", 512, "--epochs", 1, "--timeout", 1, "--log-every", 1]
+    # 10 steps: on a loaded machine (4 busy loops on 2 cores) a step took 6 s, and 32 of
+    # them outlasted the launch's 120 s
+    args = [*SMALL, "--train-size", 160, "--epochs", 1, "--timeout", 1, "--log-every", 1]
     job = Watched(SCRIPT, *args, "--checkpoint-dir", tmp_path)
-    job.wait_for("step     2/32")
+    job.wait_for("step     2/10")
     job.proc.send_signal(signal.SIGSTOP)
     time.sleep(8)  # the suspension itself: over --timeout + 5 = 6 s
     job.proc.send_signal(signal.SIGCONT)
