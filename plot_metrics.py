@@ -5,8 +5,8 @@ Run
   python plot_metrics.py metrics.jsonl --out curve.svg
 
 04_checkpoint.py appends one JSON line per logging step ({"step", "lr", "loss", "acc",
-"rank_seconds"}: that step's loss and accuracy over every rank's images, and the three
-slowest ranks' [data, forward] seconds since the last line) and one per epoch ({"step", "lr",
+"rank_seconds"}: that step's loss and accuracy over every rank's images, and the slowest
+rank's [data, forward] seconds since the last line) and one per epoch ({"step", "lr",
 "val_loss", "val_acc", "img_s"}). Three panels, against the global step: loss (training,
 validation; on a log scale when it spans more than a decade), accuracy (training,
 validation) and the learning rate (the next step's, from the training lines). Axes are
