@@ -239,9 +239,9 @@ def train_one_epoch(model, loader, state, args, d):
             images, labels = next(batches)
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
-            # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum, averaged over the ranks: with loss / K, the global
-            # batch's mean (backward must run inside no_sync)
+            # no_sync: the first K-1 micro-batches' backward passes only add up gradients
+            # here; the K-th all-reduces the sum, averaged over the ranks: with loss / K, the
+            # global batch's mean. The forward must run inside no_sync (DDP decides there).
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):

@@ -121,7 +121,7 @@ def main(args):
     resumed = checkpoint is not None
     if resumed:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-    checkpoint = None  # its contents can go
+    checkpoint = None  # (frees it)
     writer = Writer()
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
@@ -391,9 +391,9 @@ def train_one_epoch(model, loader, state, args, d, hooks):
             phases.enter(state.step + 1, "forward")  # from the copies to the device
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
-            # no_sync: the first K-1 backward passes only add up gradients here; the K-th
-            # all-reduces their sum, averaged over the ranks: with loss / K, the global
-            # batch's mean (backward must run inside no_sync)
+            # no_sync: the first K-1 micro-batches' backward passes only add up gradients
+            # here; the K-th all-reduces the sum, averaged over the ranks: with loss / K, the
+            # global batch's mean. The forward must run inside no_sync (DDP decides there).
             sync = k == args.accum_steps - 1
             with contextlib.nullcontext() if sync else model.no_sync():
                 with torch.autocast(d.device.type, dtype=amp, enabled=amp is not None):
@@ -419,7 +419,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         if state.step % args.log_every == 0:
             phases.enter(state.step, "progress line")
             step_loss, step_acc, _ = all_reduce_metrics(step_sums)  # every rank
-            seconds, slowest = phases.slowest()  # every rank
+            seconds, slowest = phases.slowest()
             if d.rank == 0:
                 say(
                     f"epoch {state.epoch + 1}  step {state.step:>5}/{state.scheduler.total_steps}"
@@ -530,7 +530,7 @@ class Phases:
         self.armed = False  # the watchdog: on data from the start, the rest from step 1's end
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}
-        self.events = []  # GPUs: CUDA events at each forward's start and end
+        self.events = []  # GPUs: CUDA events at forwards' starts and ends
         threading.Thread(target=self.watch, daemon=True).start()
         faulthandler.enable()  # stacks if NCCL's watchdog aborts the rank
 
