@@ -316,7 +316,7 @@ def check(ok, name, detail):
 
 
 def say(text):
-    """Rank 0's story, a line at a time (flushed: os._exit leaves nothing in a buffer)."""
+    """Rank 0's story, a line at a time (flushed: os._exit leaves buffers unwritten)."""
     print(text, flush=True)
 
 
@@ -472,8 +472,8 @@ def bind_device(local_rank, local_world):
     if not torch.cuda.is_available():
         return torch.device("cpu")
     gpus = torch.cuda.device_count()
-    # One GPU visible: the launcher gave each process its own (srun --gpus-per-task=1), or a
-    # one-GPU machine, where NCCL refuses a second process
+    # More processes than GPUs: refused, unless one GPU is visible and CUDA_VISIBLE_DEVICES
+    # is set (the launcher gave each process its own: srun --gpus-per-task=1)
     if local_world > gpus and (gpus != 1 or "CUDA_VISIBLE_DEVICES" not in os.environ):
         raise SetupError(f"{local_world} processes here, {gpus} GPU(s): NCCL needs a GPU each")
     device = torch.device("cuda", local_rank % gpus)  # GPU ids restart per node
