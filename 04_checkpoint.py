@@ -79,9 +79,9 @@ def main(args):
     os.environ.setdefault("NCCL_ALGO", "^NVLS")
     torch.backends.cudnn.deterministic = True
     # NCCL's flight recorder (on by default from torch 2.11) dumps beside the checkpoints
-    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/nccl_trace_rank_")
-    d = setup(args.timeout, store=attempt_store(args.timeout))
-    phases = Phases(d, args.timeout)
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/comm_lib_trace_rank_")
+    d = setup(args.timeout + 10, store=attempt_store(args.timeout))
+    phases = Phases(d, args)
     train_set, val_set, num_classes = build_datasets(args)
     # what a checkpoint must share with this run
     identity = {f"--{k.replace('_', '-')}": str(getattr(args, k)) for k in SAME_ON_RESUME}
@@ -149,7 +149,7 @@ def main(args):
                 (args.checkpoint_dir / "preempted").touch()
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
-        phases.armed = True  # after a save's enter: an evaluation's seconds do not count
+        phases.armed = True  # (from the first step's end: a first step may compile)
 
     hooks = (phases, after_step)
     losses = []
@@ -168,8 +168,7 @@ def main(args):
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
-            phases.enter(state.step, "evaluation")
-            phases.armed = False  # a long evaluation is not stuck (after_step arms it again)
+            phases.enter(state.step, "evaluation")  # (not watched: may take long)
             val_loss, val_acc, val_count = evaluate(model, val_batches, d.device)
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
@@ -522,9 +521,10 @@ class Phases:
     in memory. A thread ends a rank stuck in one phase for --timeout + 5 s, with its stacks
     and a line; within `with phases:`, a failed collective's line ends with the phase."""
 
-    def __init__(self, d, timeout):
+    def __init__(self, d, args):
         self.d = d
-        self.limit = timeout + 5
+        self.limit = args.timeout
+        self.stacks = args.checkpoint_dir / f"stacks_rank_{d.rank}"  # the watchdog's dump
         self.where = self.phase = "start"
         self.done = False  # out of `with phases:`: no watchdog
         self.armed = False  # the watchdog: on data from the start, the rest from step 1's end
@@ -554,12 +554,20 @@ class Phases:
         while not self.done:
             still = still + 1 if self.since == entered else 0
             entered = self.since
-            if (self.armed or self.phase == "data") and still > self.limit:
-                faulthandler.dump_traceback(all_threads=True)
+            watched = self.phase == "data" or self.armed and self.phase != "evaluation"
+            if watched and still > self.limit:
+                faulthandler.dump_traceback(open(self.stacks, "w"))
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
-                sys.stderr.write(f"[rank {self.d.rank}] stuck for {still} s in {self.where}\n")
-                os._exit(1)
+                sys.stderr.write(
+                    f"[rank {self.d.rank}] stuck for {still} s in {self.where} ({self.stacks})\n"
+                )
+                try:  # the flight recorder's record of its collectives (torch 2.15; NOTES.md)
+                    torch._C._distributed_c10d._dump_fr_trace_file(
+                        self.d.rank, backend=dist.get_backend()
+                    )
+                finally:
+                    os._exit(1)
             time.sleep(1)
 
     def slowest(self):

@@ -13,6 +13,7 @@ comments).
 
 from __future__ import annotations
 
+import pickle
 import re
 from pathlib import Path
 
@@ -174,9 +175,12 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
 
 def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
     # One process that never returns from step 3's forward, as a GPU hang looks from Python:
-    # with no peer to time out, 04's own watchdog (Phases) ends it --timeout + 6 of its
-    # seconds after it entered the phase, with its stacks and its line, on a process bound
-    # to a GPU. (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
+    # with no peer to time out, 04's own watchdog (Phases) ends it --timeout + 1 of its
+    # seconds after it entered the phase, with its line, its stacks and the flight
+    # recorder's record of its collectives in the checkpoint folder, on a process bound to
+    # a GPU. The record is asked for under the group's backend name, "nccl": an empty one
+    # would mean the engine files its record under another (not run yet on either engine).
+    # (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
     args = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 32)
     r = run(
         stuck_copy(tmp_path, "forward", rank=0),
@@ -187,8 +191,12 @@ def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
         timeout=120,
     ).failed()
     assert "on 1 x cuda (nccl)" in r.stdout, r
-    assert "[rank 0] stuck for 9 s in step 3, forward\n" in r.stderr, r
-    assert "in train_one_epoch" in r.stderr, r
+    folder = tmp_path / "ckpt"
+    assert f"[rank 0] stuck for 4 s in step 3, forward ({folder}/stacks_rank_0)\n" in r.stderr, r
+    assert "in train_one_epoch" in (folder / "stacks_rank_0").read_text(), r
+    if hasattr(torch._C._distributed_c10d, "_dump_fr_trace_file"):
+        record = pickle.loads((folder / "comm_lib_trace_rank_0").read_bytes())
+        assert record["entries"], record  # (the progress lines' all-reduces, at least)
 
 
 @two_gpus
