@@ -20,8 +20,9 @@ below.
 - Stopping: on SIGTERM (a scheduler's warning) or SIGUSR1 (sbatch --signal) the ranks agree
   to stop a step later; rank 0 saves and marks DIR/preempted; each rank exits 128 + the
   signal (README.md's batch script requeues).
-- Forensics: a failed collective's line says where the rank was; a rank stuck for --timeout
-  + 5 s dumps its stack and exits; a progress line names the rank the others waited for.
+- Forensics: a rank --timeout seconds in one phase (a hang) writes its stacks and
+  collectives' record to DIR and ends on a line naming the phase ("step 3, data"), as a
+  failed collective does; a progress line names the rank the others waited for.
 - Metrics: --metrics PATH, a JSON line per progress line and per epoch, for plot_metrics.py.
 """
 
@@ -78,8 +79,9 @@ def main(args):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("NCCL_ALGO", "^NVLS")
     torch.backends.cudnn.deterministic = True
-    # NCCL's flight recorder (on by default from torch 2.11) dumps beside the checkpoints
+    # the flight recorder's dumps (NCCL's, and the watchdog's) go beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/comm_lib_trace_rank_")
+    # the group's timeout is 10 s past the watchdog's (Phases), which ends a hang first
     d = setup(args.timeout + 10, store=attempt_store(args.timeout))
     phases = Phases(d, args)
     train_set, val_set, num_classes = build_datasets(args)
@@ -121,7 +123,7 @@ def main(args):
     resumed = checkpoint is not None
     if resumed:
         resume(state, checkpoint, args, d, train_loader.sampler, steps_per_epoch)
-    checkpoint = None  # (frees it)
+    del checkpoint  # (frees it)
     writer = Writer()
     if d.rank == 0:
         say(f"{args.arch} on {d.world_size} x {d.device.type} ({dist.get_backend()})")
@@ -132,9 +134,9 @@ def main(args):
         )
 
     def after_step(due=False):
-        """Every rank, after each step (an epoch's last: after its validation): --simulate-failure;
-        a save every --save-every steps and at an epoch's end (due); a stop if any rank was
-        asked, saved first (after the last epoch, nothing is left to stop)."""
+        """Every rank, after each step (an epoch's last: after validation): --simulate-failure;
+        a save every --save-every steps and at an epoch's end (due); a stop, saved first, if
+        any rank was asked (none after the last epoch)."""
         if state.step == args.simulate_failure and d.rank == d.world_size - 1 and not resumed:
             say(f"[rank {d.rank}] simulated failure at step {state.step}")
             signal.raise_signal(signal.SIGKILL)  # abruptly, like a machine that is gone
@@ -149,7 +151,7 @@ def main(args):
                 (args.checkpoint_dir / "preempted").touch()
                 say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
-        phases.armed = True  # (from the first step's end: a first step may compile)
+        phases.armed = True  # (a first step may compile)
 
     hooks = (phases, after_step)
     losses = []
@@ -326,8 +328,7 @@ class ResumableSampler(DistributedSampler):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
         order = torch.randperm(len(self.dataset), generator=g).tolist()
         rest = order[self.start :]
-        padding = -len(rest) % self.num_replicas  # repeats of the order's head
-        rest += order[:padding]
+        rest += order[: -len(rest) % self.num_replicas]  # padding: the order's head
         return iter(rest[self.rank :: self.num_replicas])
 
 
@@ -383,11 +384,11 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         # this step's random numbers (dropout) from the rank and the step, not main's seed:
         # a resumed run draws what the interrupted one would have, with no state to save
         torch.manual_seed(d.rank + 1_000_003 * state.step)
+        step = state.step + 1  # the step in progress, as progress lines count: "step 3, data"
         for k in range(args.accum_steps):
-            # "step 3, data": the step in progress, as progress lines count
-            phases.enter(state.step + 1, "data")
+            phases.enter(step, "data")
             images, labels = next(batches)
-            phases.enter(state.step + 1, "forward")  # from the copies to the device
+            phases.enter(step, "forward")  # from the copies to the device
             images = images.to(d.device, non_blocking=True)
             labels = labels.to(d.device, non_blocking=True)
             # no_sync: the first K-1 micro-batches' backward passes only add up gradients
@@ -399,7 +400,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
                     logits = model(images)
                     loss = F.cross_entropy(logits, labels)  # the mean over this rank's batch
                 # backward, with the gradient all-reduce (it waits for the slowest rank)
-                phases.enter(state.step + 1, "backward")
+                phases.enter(step, "backward")
                 state.scaler.scale(loss / args.accum_steps).backward()
             # running sums stay on the device: no GPU wait
             step_sums[0] += loss.detach() * len(labels)
@@ -476,9 +477,11 @@ def log_metrics(args, state, **fields):
     """--metrics: rank 0 appends one JSON line to the file: the step, the learning rate and
     the fields. plot_metrics.py draws the learning curve from it."""
     if args.metrics:
-        lr = state.scheduler.get_last_lr()[0]  # the next step's
-        with open(args.metrics, "a") as f:
-            print(json.dumps(dict(step=state.step, lr=lr, **fields)), file=f)
+        with open(args.metrics, "a") as f:  # lr: the next step's
+            print(
+                json.dumps(dict(step=state.step, lr=state.scheduler.get_last_lr()[0], **fields)),
+                file=f,
+            )
 
 
 # ---- stopping: a signal asks to stop, the ranks agree at a step boundary -----------------
@@ -507,9 +510,7 @@ class Preemption:
         if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host
             work.wait()
             flag = flag.to("cpu", non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            arrived = event.synchronize  # the host waits for the copy
+            arrived = torch.cuda.current_stream().record_event().synchronize  # for the copy
         (flag, arrived), self.in_flight = self.in_flight, (flag, arrived)
         arrived()
         return signal.Signals(int(flag)) if flag else 0
@@ -518,15 +519,14 @@ class Preemption:
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
 class Phases:
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
-    in memory. A thread ends a rank stuck in one phase for --timeout + 5 s, with its stacks
-    and a line; within `with phases:`, a failed collective's line ends with the phase."""
+    in memory. A thread ends a rank stuck in one phase for --timeout; within `with phases:`,
+    a failed collective's line ends with the phase too."""
 
     def __init__(self, d, args):
         self.d = d
         self.limit = args.timeout
-        self.stacks = args.checkpoint_dir / f"stacks_rank_{d.rank}"  # the watchdog's dump
+        self.stacks = f"{args.checkpoint_dir}/stacks_rank_{d.rank}"  # the watchdog's dump
         self.where = self.phase = "start"
-        self.done = False  # out of `with phases:`: no watchdog
         self.armed = False  # the watchdog: on data from the start, the rest from step 1's end
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}
@@ -541,7 +541,7 @@ class Phases:
         self.since = now
         self.phase = phase
         self.where = f"step {step}, {phase}"
-        # (at most 1,000 forwards a progress line)
+        # GPUs: CUDA events around each forward (at most 1,000 a progress line)
         timed = phase in ("forward", "backward") and len(self.events) < 2000
         if timed and self.d.device.type == "cuda":
             self.events.append(torch.cuda.Event(enable_timing=True))
@@ -551,18 +551,19 @@ class Phases:
         """The thread, once a second. It counts its own seconds: a suspended job (scontrol
         suspend) is not stuck."""
         entered = still = 0  # when the phase seen last began; this thread's seconds in it
-        while not self.done:
+        while True:
             still = still + 1 if self.since == entered else 0
             entered = self.since
             watched = self.phase == "data" or self.armed and self.phase != "evaluation"
             if watched and still > self.limit:
-                faulthandler.dump_traceback(open(self.stacks, "w"))
                 for worker in mp.active_children():  # its DataLoader workers
                     worker.kill()
                 sys.stderr.write(
                     f"[rank {self.d.rank}] stuck for {still} s in {self.where} ({self.stacks})\n"
                 )
-                try:  # the flight recorder's record of its collectives (torch 2.15; NOTES.md)
+                try:
+                    faulthandler.dump_traceback(open(self.stacks, "w"))
+                    # the flight recorder's record of its collectives (torch 2.15; NOTES.md)
                     torch._C._distributed_c10d._dump_fr_trace_file(
                         self.d.rank, backend=dist.get_backend()
                     )
@@ -577,11 +578,12 @@ class Phases:
         at least the median (the rank took twice as long) and 0.1 s. On GPUs the forward's
         time is the GPU's."""
         if self.events:  # (the progress line's .tolist() waited for them)
-            pairs = zip(self.events[::2], self.events[1::2])  # (start, end) of each forward
+            # each forward's (start, end) events: milliseconds between them
+            pairs = zip(self.events[::2], self.events[1::2])
             self.seconds["forward"] = sum(a.elapsed_time(b) for a, b in pairs) / 1000
             self.events = []
         table = torch.zeros(self.d.world_size, 2, device=self.d.device)
-        table[self.d.rank] = torch.tensor(list(self.seconds.values()))  # [data, forward]
+        table[self.d.rank] = torch.tensor([*self.seconds.values()])  # [data, forward]
         self.seconds = dict.fromkeys(self.seconds, 0.0)
         dist.all_reduce(table)  # each rank's own row (zeros elsewhere): all rows
         before = table.sum(1)
@@ -599,11 +601,11 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective (Gloo's; NCCL's where one raises, NOTES.md): this rank's line
-        ends with its phase ("; in step 3, backward"), as a stuck one's does."""
-        self.done = True
+        """A failed collective's error (Gloo's; NCCL's where one raises, NOTES.md) gains the
+        phase: "...; in step 3, backward"."""
+        self.limit = math.inf  # the watchdog stands down
         if re.search("gloo/|pair closure|NCCL Last Error", str(error)):
-            raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}") from error
+            raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}")
 
 
 # ---- checkpoints: DIR/step-00000040.pt beside DIR/step-00000040.pt.sha256 (sha256sum's) --
@@ -667,7 +669,6 @@ def newest_readable(folder, identity):
             raise SetupError(f"{path} was written with other settings: {'; '.join(differ)}. {same}")
         return path, saved
     say(f"no checkpoint in {folder}: starting from step 0")
-    return None
 
 
 def checkpoints_in(folder):
@@ -680,7 +681,7 @@ def checkpoints_in(folder):
 def read_checkpoint(path):
     """The checkpoint at path, loaded onto the CPU once its sha256 matches; or a SetupError
     that names it and says why not."""
-    sha256 = marker(path)
+    sha256 = Path(f"{path}.sha256")  # sha256sum's format, written last
     if not sha256.exists():
         raise SetupError(f"{path.name}: no {sha256.name}: the save did not finish")
     data = path.read_bytes()
@@ -697,11 +698,6 @@ def read_checkpoint(path):
     except Exception:  # weights_only refused a class
         pass
     raise SetupError(f"{path.name}: not a checkpoint of this script")
-
-
-def marker(path):
-    """step-40.pt's step-40.pt.sha256 (sha256sum's format), written last."""
-    return Path(f"{path}.sha256")
 
 
 def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
@@ -770,7 +766,8 @@ class Writer:
         try:
             write_atomic(path, data)
             write_atomic(
-                marker(path), f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode()
+                Path(f"{path}.sha256"),
+                f"{hashlib.sha256(data).hexdigest()}  {path.name}\n".encode(),
             )
             prune(path.parent, keep)
             say(f"saved {path.name}")
@@ -780,7 +777,7 @@ class Writer:
     def finish(self):
         """Every rank: rank 0 waits for its write; all raise its error, if any, so that none
         trains on alone. (A rank ending on an error or a signal does not wait: that write is
-        lost, the ones before it are not.)"""
+        lost, not the earlier ones.)"""
         if self.thread:
             self.thread.join()
         error = [self.error]
@@ -793,7 +790,7 @@ def prune(folder, keep):
     """All but the newest keep checkpoints deleted, each marker first (without it, a
     checkpoint is never loaded)."""
     for path in checkpoints_in(folder)[keep:]:
-        marker(path).unlink(missing_ok=True)
+        Path(f"{path}.sha256").unlink(missing_ok=True)
         path.unlink(missing_ok=True)
 
 

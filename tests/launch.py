@@ -628,7 +628,7 @@ def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
         return inserted_copy(tmp_path / "stuck.py", script, line, skip)
     source = (REPO / script).read_text()
     phase = "data" if case == "frozen" else case
-    enter = re.search(rf'\n( +)phases\.enter\(state\.step \+ 1, "{phase}"\).*\n', source)
+    enter = re.search(rf'\n( +)phases\.enter\(step, "{phase}"\).*\n', source)
     indent = enter[1]
     stop = "os.kill(os.getpid(), signal.SIGSTOP)" if case == "frozen" else "time.sleep(120)"
     stuck = f"{indent}if d.rank == {rank} and state.step == 2:\n{indent}    {stop}\n"
