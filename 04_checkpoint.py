@@ -81,7 +81,7 @@ def main(args):
     torch.backends.cudnn.deterministic = True
     # the flight recorder's dumps (NCCL's, and the watchdog's) go beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/comm_lib_trace_rank_")
-    # the group's timeout is 10 s past the watchdog's (Phases), which ends a hang first
+    # the group's timeout: 10 s past the watchdog's (Phases), which ends a hang first
     d = setup(args.timeout + 10, store=attempt_store(args.timeout))
     phases = Phases(d, args)
     train_set, val_set, num_classes = build_datasets(args)
@@ -170,7 +170,7 @@ def main(args):
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
-            phases.enter(state.step, "evaluation")  # (not watched: may take long)
+            phases.enter(state.step, "evaluation")
             val_loss, val_acc, val_count = evaluate(model, val_batches, d.device)
             if d.rank == 0:
                 say(f"epoch {state.epoch + 1} done: train loss {loss:.4f} acc {acc:.1%}")
@@ -525,9 +525,9 @@ class Phases:
     def __init__(self, d, args):
         self.d = d
         self.limit = args.timeout
-        self.stacks = f"{args.checkpoint_dir}/stacks_rank_{d.rank}"  # the watchdog's dump
+        self.stacks = f"{args.checkpoint_dir}/stacks_rank_{d.rank}"
         self.where = self.phase = "start"
-        self.armed = False  # the watchdog: on data from the start, the rest from step 1's end
+        self.armed = False  # from step 1's end (watch)
         self.since = time.perf_counter()
         self.seconds = {"data": 0.0, "forward": 0.0}
         self.events = []  # GPUs: CUDA events at forwards' starts and ends
@@ -554,20 +554,22 @@ class Phases:
         while True:
             still = still + 1 if self.since == entered else 0
             entered = self.since
+            # data from the start, the rest once armed, but evaluation (may take long)
             watched = self.phase == "data" or self.armed and self.phase != "evaluation"
             if watched and still > self.limit:
-                for worker in mp.active_children():  # its DataLoader workers
-                    worker.kill()
+                signal.alarm(10)  # ends the rank if a write below hangs
                 sys.stderr.write(
                     f"[rank {self.d.rank}] stuck for {still} s in {self.where} ({self.stacks})\n"
                 )
                 try:
                     faulthandler.dump_traceback(open(self.stacks, "w"))
-                    # the flight recorder's record of its collectives (torch 2.15; NOTES.md)
+                    # the flight recorder's record (not in torch 2.4.1)
                     torch._C._distributed_c10d._dump_fr_trace_file(
                         self.d.rank, backend=dist.get_backend()
                     )
-                finally:
+                finally:  # workers last: their end would interrupt main's
+                    for worker in mp.active_children():
+                        worker.kill()
                     os._exit(1)
             time.sleep(1)
 
@@ -601,9 +603,9 @@ class Phases:
         return self
 
     def __exit__(self, kind, error, trace):
-        """A failed collective's error (Gloo's; NCCL's where one raises, NOTES.md) gains the
-        phase: "...; in step 3, backward"."""
-        self.limit = math.inf  # the watchdog stands down
+        """A failed collective's error (Gloo's; NCCL's where one raises) gains the phase:
+        "...; in step 3, backward"."""
+        self.limit = math.inf  # (the thread idles)
         if re.search("gloo/|pair closure|NCCL Last Error", str(error)):
             raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}")
 
@@ -665,8 +667,10 @@ def newest_readable(folder, identity):
             f"{k} {there.get(k)} there, {v} here" for k, v in identity.items() if there.get(k) != v
         ]
         if differ:
-            same = "Resume with the same ones or use another --checkpoint-dir"
-            raise SetupError(f"{path} was written with other settings: {'; '.join(differ)}. {same}")
+            raise SetupError(
+                f"{path} was written with other settings: {'; '.join(differ)}. "
+                "Resume with the same ones or use another --checkpoint-dir"
+            )
         return path, saved
     say(f"no checkpoint in {folder}: starting from step 0")
 
@@ -801,7 +805,7 @@ def attempt_store(timeout):
     port in the agent's store. Otherwise None: init's own store."""
     env = os.environ
     if env.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return None
+        return
     host = env["MASTER_ADDR"]
     limit = timedelta(seconds=timeout)
     agent = dist.TCPStore(host, int(env["MASTER_PORT"]), is_master=False, timeout=limit)

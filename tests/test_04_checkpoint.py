@@ -395,21 +395,36 @@ def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path
     assert "in load_image" not in stacks.read_text()
 
 
+@pytest.mark.hangs  # about 18 s and 6 s
+@pytest.mark.parametrize("stacks", ["a FIFO", "a folder"])
+def test_the_watchdog_ends_a_rank_whose_files_cannot_be_written(stacks, tmp_path):
+    # A hung mount: the watchdog's write of its stacks blocks (DIR/stacks_rank_0 is a FIFO
+    # with no reader: open() waits), and SIGALRM ends the rank 10 s later, its line out
+    # first. A write that fails (a folder in the file's place) ends it at once, exit 1.
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    target = folder / "stacks_rank_0"
+    os.mkfifo(target) if stacks == "a FIFO" else target.mkdir()
+    args = [*STUCK, "--epochs", 1, "--timeout", 1, "--checkpoint-dir", folder]
+    r = run(stuck_copy(tmp_path, "data", rank=0), *args, timeout=60)
+    assert r.stderr.endswith(f"[rank 0] stuck for 2 s in step 3, data ({target})\n"), r
+    assert r.returncode == (-signal.SIGALRM if stacks == "a FIFO" else 1), r
+
+
 @pytest.mark.hangs  # about 11 s
 def test_a_forked_ranks_stuck_worker_shows_its_stack_before_it_is_killed(tmp_path):
     # The harness's side (tests/forked.py): a forked rank's Process.kill first asks the
     # worker for its stacks, so that a worker's hang in a test run says where it was (one
     # was seen twice and not reproduced: tests/README.md). The FIFO above, forked: the
-    # worker's stack ends in load_image, reading it.
+    # worker's stack ends in load_image, reading it. (The watchdog kills the workers last,
+    # after its line and its files.)
     image_folder(tmp_path / "images")
     os.mkfifo(tmp_path / "images/train/red/zz.png")
     args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
     r = forked(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
-    stacks = tmp_path / "ckpt/stacks_rank_0"
-    assert r.returncode == 1 and r.stderr.endswith(
-        f"[rank 0] stuck for 2 s in step 1, data ({stacks})\n"
-    ), r
-    assert "in load_image" in r.stderr, r
+    line = f"[rank 0] stuck for 2 s in step 1, data ({tmp_path}/ckpt/stacks_rank_0)\n"
+    assert r.returncode == 1 and r.stderr.startswith(line), r
+    assert "in load_image" in r.stderr[len(line) :], r
 
 
 def test_a_nohup_job_outlives_the_shell_that_started_it(tmp_path, reference):
