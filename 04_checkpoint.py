@@ -321,8 +321,8 @@ class ResumableSampler(DistributedSampler):
     def set_position(self, epoch, start):
         self.set_epoch(epoch)  # same seed + epoch on every rank: one order they all agree on
         self.start = start
-        rest = len(self.dataset) - start
-        self.num_samples = math.ceil(rest / self.num_replicas)  # len(): this rank's share
+        # len(): this rank's share
+        self.num_samples = math.ceil((len(self.dataset) - start) / self.num_replicas)
 
     def __iter__(self):
         g = torch.Generator().manual_seed(self.seed + self.epoch)
@@ -504,7 +504,7 @@ class Preemption:
         to stop by, or 0. Each call starts an all-reduce (MAX) of this step's flags and
         returns the previous call's result, which arrived long ago: no rank waits here for a
         slower one, and a stop takes effect one step after it was asked."""
-        flag = torch.full([1], self.asked, device=device)
+        flag = torch.tensor([self.asked], device=device)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
         if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host
@@ -517,7 +517,7 @@ class Preemption:
 
 
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
-class Phases:
+class Phases(contextlib.AbstractContextManager):
     """This rank's phase ("step 5, forward") and its seconds in data loading and in forward,
     in memory. A thread ends a rank stuck in one phase for --timeout; within `with phases:`,
     a failed collective's line ends with the phase too."""
@@ -526,6 +526,7 @@ class Phases:
         self.d = d
         self.limit = args.timeout
         self.stacks = f"{args.checkpoint_dir}/stacks_rank_{d.rank}"
+        self.cuda = d.device.type == "cuda"
         self.where = self.phase = "start"
         self.armed = False  # from step 1's end (watch)
         self.since = time.perf_counter()
@@ -543,7 +544,7 @@ class Phases:
         self.where = f"step {step}, {phase}"
         # GPUs: CUDA events around each forward (at most 1,000 a progress line)
         timed = phase in ("forward", "backward") and len(self.events) < 2000
-        if timed and self.d.device.type == "cuda":
+        if timed and self.cuda:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
 
@@ -554,18 +555,19 @@ class Phases:
         while True:
             still = still + 1 if self.since == entered else 0
             entered = self.since
-            # data from the start, the rest once armed, but evaluation (may take long)
-            watched = self.phase == "data" or self.armed and self.phase != "evaluation"
-            if watched and still > self.limit:
-                signal.alarm(10)  # ends the rank if a write below hangs
+            # data from the start, the rest once armed, but a (long) evaluation
+            if still > self.limit and (
+                self.phase == "data" or self.armed and self.phase != "evaluation"
+            ):
+                signal.alarm(10)  # if a write below hangs
                 sys.stderr.write(
                     f"[rank {self.d.rank}] stuck for {still} s in {self.where} ({self.stacks})\n"
                 )
                 try:
                     faulthandler.dump_traceback(open(self.stacks, "w"))
-                    # the flight recorder's record (not in torch 2.4.1)
+                    # the flight recorder's record, under the engine's name (not in torch 2.4.1)
                     torch._C._distributed_c10d._dump_fr_trace_file(
-                        self.d.rank, backend=dist.get_backend()
+                        self.d.rank, backend="nccl2" if self.cuda else "gloo"
                     )
                 finally:  # workers last: their end would interrupt main's
                     for worker in mp.active_children():
@@ -599,13 +601,10 @@ class Phases:
         phase = "data" if in_data > in_forward else "forward"
         return logged, f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
 
-    def __enter__(self):
-        return self
-
     def __exit__(self, kind, error, trace):
         """A failed collective's error (Gloo's; NCCL's where one raises) gains the phase:
         "...; in step 3, backward"."""
-        self.limit = math.inf  # (the thread idles)
+        self.limit = math.inf
         if re.search("gloo/|pair closure|NCCL Last Error", str(error)):
             raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}")
 

@@ -173,14 +173,16 @@ def test_03_unused_layer_is_named_with_debug_detail_on_nccl(tmp_path):
     assert "did not receive grad for rank 0: unused_layer.bias, unused_layer.weight" in r.stderr
 
 
-def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
+def test_04_a_stuck_process_leaves_its_stack_and_ends(engine, tmp_path):
     # One process that never returns from step 3's forward, as a GPU hang looks from Python:
     # with no peer to time out, 04's own watchdog (Phases) ends it --timeout + 1 of its
     # seconds after it entered the phase, with its line, its stacks and the flight
     # recorder's record of its collectives in the checkpoint folder, on a process bound to
-    # a GPU. The record is asked for under the group's backend name, "nccl": an empty one
-    # would mean the engine files its record under another (not run yet on either engine).
-    # (Several ranks naming the stuck one on NCCL needs 2 GPUs: not run yet.)
+    # a GPU. The record is the one kept under the engine's own name, "nccl2" (torch 2.15's
+    # FlightRecorderHook keys it by Backend::getBackendName()); the legacy engine records
+    # into a recorder of its own, which that call does not reach: its file holds no entries
+    # (NOTES.md). Not run yet on either engine. (Several ranks naming the stuck one on NCCL
+    # needs 2 GPUs: not run yet.)
     args = ("--train-size", 384, "--val-size", 0, "--image-size", 16, "--batch-size", 32)
     r = run(
         stuck_copy(tmp_path, "forward", rank=0),
@@ -196,7 +198,8 @@ def test_04_a_stuck_process_leaves_its_stack_and_ends(tmp_path):
     assert "in train_one_epoch" in (folder / "stacks_rank_0").read_text(), r
     if hasattr(torch._C._distributed_c10d, "_dump_fr_trace_file"):
         record = pickle.loads((folder / "comm_lib_trace_rank_0").read_bytes())
-        assert record["entries"], record  # (the progress lines' all-reduces, at least)
+        # (nccl2: the progress lines' all-reduces, at least)
+        assert bool(record["entries"]) == (engine == "nccl2"), record
 
 
 @two_gpus
