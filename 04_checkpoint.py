@@ -79,7 +79,7 @@ def main(args):
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     os.environ.setdefault("NCCL_ALGO", "^NVLS")
     torch.backends.cudnn.deterministic = True
-    # the flight recorder's dumps (NCCL's, and the watchdog's) go beside the checkpoints
+    # the flight recorder's dumps go beside the checkpoints
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", f"{args.checkpoint_dir}/comm_lib_trace_rank_")
     # the group's timeout: 10 s past the watchdog's (Phases), which ends a hang first
     d = setup(args.timeout + 10, store=attempt_store(args.timeout))
@@ -504,7 +504,7 @@ class Preemption:
         to stop by, or 0. Each call starts an all-reduce (MAX) of this step's flags and
         returns the previous call's result, which arrived long ago: no rank waits here for a
         slower one, and a stop takes effect one step after it was asked."""
-        flag = torch.tensor([self.asked], device=device)
+        flag = torch.full([1], self.asked, device=device)  # (torch.tensor would sync)
         work = dist.all_reduce(flag, op=dist.ReduceOp.MAX, async_op=True)
         arrived = work.wait  # Gloo: the host waits for it
         if flag.is_cuda:  # NCCL: the GPU waits for it and copies the result to the host
@@ -543,23 +543,21 @@ class Phases(contextlib.AbstractContextManager):
         self.phase = phase
         self.where = f"step {step}, {phase}"
         # GPUs: CUDA events around each forward (at most 1,000 a progress line)
-        timed = phase in ("forward", "backward") and len(self.events) < 2000
-        if timed and self.cuda:
+        if self.cuda and phase in ("forward", "backward") and len(self.events) < 2000:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
 
     def watch(self):
-        """The thread, once a second. It counts its own seconds: a suspended job (scontrol
-        suspend) is not stuck."""
+        """The thread, once a second. It counts its own seconds in a watched phase: a
+        suspended job is not stuck."""
         entered = still = 0  # when the phase seen last began; this thread's seconds in it
         while True:
-            still = still + 1 if self.since == entered else 0
-            entered = self.since
             # data from the start, the rest once armed, but a (long) evaluation
-            if still > self.limit and (
-                self.phase == "data" or self.armed and self.phase != "evaluation"
-            ):
-                signal.alarm(10)  # if a write below hangs
+            watched = self.phase == "data" or self.armed and self.phase != "evaluation"
+            still = still + 1 if watched and self.since == entered else 0
+            entered = self.since
+            if still > self.limit:
+                signal.alarm(10)  # SIGALRM ends the rank if what follows hangs
                 sys.stderr.write(
                     f"[rank {self.d.rank}] stuck for {still} s in {self.where} ({self.stacks})\n"
                 )
@@ -569,7 +567,7 @@ class Phases(contextlib.AbstractContextManager):
                     torch._C._distributed_c10d._dump_fr_trace_file(
                         self.d.rank, backend="nccl2" if self.cuda else "gloo"
                     )
-                finally:  # workers last: their end would interrupt main's
+                finally:  # workers last: their SIGCHLD would raise in the main thread
                     for worker in mp.active_children():
                         worker.kill()
                     os._exit(1)
@@ -602,9 +600,8 @@ class Phases(contextlib.AbstractContextManager):
         return logged, f"  slowest: rank {rank} ({phase} +{excess:.2f}s)"
 
     def __exit__(self, kind, error, trace):
-        """A failed collective's error (Gloo's; NCCL's where one raises) gains the phase:
-        "...; in step 3, backward"."""
-        self.limit = math.inf
+        self.limit = math.inf  # (never fires)
+        # a failed collective's error gains the phase
         if re.search("gloo/|pair closure|NCCL Last Error", str(error)):
             raise SetupError(f"{kind.__name__}: {str(error).strip()}; in {self.where}")
 
@@ -658,7 +655,7 @@ def newest_readable(folder, identity):
         try:
             saved = read_checkpoint(path)
         except SetupError as e:
-            print(f"WARNING: {e}; renamed it *.unreadable", file=sys.stderr)
+            sys.stderr.write(f"WARNING: {e}; renamed it *.unreadable\n")
             path.rename(f"{path}.unreadable")
             continue
         there = saved["args"]  # a resume must share identity with its checkpoint

@@ -357,23 +357,35 @@ def test_a_job_suspended_longer_than_the_watchdog_carries_on(tmp_path):
 
 
 @pytest.mark.hangs  # about 14 s each, 8 of them in the long phase
-@pytest.mark.parametrize("long", ["first step", "evaluation"])
+@pytest.mark.parametrize("long", ["first step", "first backward", "evaluation"])
 def test_a_first_step_or_an_evaluation_longer_than_the_watchdog_is_not_stuck(long, tmp_path):
     # A first step that compiles (torch.compile, max-autotune, cudnn.benchmark) takes as long
-    # on every rank: no collective times out, but the watchdog (--timeout + 5 = 6 s here)
-    # ended the rank. It is armed at the first step's end now, but for data loading (the
-    # next test: a worker blocked in step 0 is still ended). A long evaluation: the watchdog
-    # stands down for it, and is armed again only after the epoch's save has entered its
-    # phase (armed first, it could end the rank in that moment: a fresh read found it).
+    # on every rank: no collective times out, but the watchdog ended the rank. It watches
+    # the rest from the first step's end now, and data loading from the start (the next
+    # test: a worker blocked in step 0 is still ended). A long evaluation is never watched.
+    # The first backward: a second fresh read found that after_step armed the watchdog
+    # while the rank was still in that phase, and a tick before the next phase (here a
+    # slow 1.5 s after the arming) counted the backward's 8 s and ended the rank: the
+    # watchdog counts only while a phase is watched now.
+    timeout = 1
     if long == "first step":
         anchor = "                    logits = model(images)\n"
         pause = "                    if state.step == 0:\n"
         pause += "                        time.sleep(8)  # compiling\n"
+    elif long == "first backward":
+        anchor = "                state.scaler.scale(loss / args.accum_steps).backward()\n"
+        pause = "                if state.step == 0:\n"
+        pause += "                    time.sleep(8)  # compiling\n"
+        timeout = 2  # (3 ticks to end a rank: the 1.5 s pause holds at most 2)
     else:
         anchor = "            val_loss, val_acc, val_count = evaluate("
         pause = "            time.sleep(8)  # a long validation\n"
     script = inserted_copy(tmp_path / "long.py", SCRIPT, anchor, pause)
-    args = [*SMALL, "--epochs", 1, "--timeout", 1, "--checkpoint-dir", tmp_path / "ckpt"]
+    if long == "first backward":
+        armed = "        phases.armed = True  # (a first step may compile)\n"
+        slow = "        if state.step == 1:\n            time.sleep(1.5)  # a busy host\n"
+        script = inserted_copy(tmp_path / "long2.py", script, armed, slow, after=True)
+    args = [*SMALL, "--epochs", 1, "--timeout", timeout, "--checkpoint-dir", tmp_path / "ckpt"]
     r = run(script, *args, timeout=120)
     assert r.returncode == 0 and "verified: 1 rank(s) hold identical" in r.stdout, r
     assert "stuck for" not in r.stderr, r
