@@ -635,6 +635,12 @@ def stuck_copy(tmp_path: Path, case: str, rank: int = 2) -> Path:
     return inserted_copy(tmp_path / "stuck.py", script, enter[0], stuck, after=True)
 
 
+def stuck_line(rank: int, seconds: int, where: str, folder: Path) -> str:
+    """The line 04's watchdog writes for a rank it ends: the phase the rank stayed in, and the
+    file in the checkpoint folder that holds its stacks."""
+    return f"[rank {rank}] stuck for {seconds} s in {where} ({folder}/stacks_rank_{rank})"
+
+
 def stopped(line: str, sig: str) -> bool:
     """Whether line is run_rank's for a rank that sig ended through stop()."""
     return re.fullmatch(rf"\[rank \d+\] stopped by {sig}", line) is not None

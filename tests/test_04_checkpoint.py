@@ -31,6 +31,7 @@ from launch import (
     load_script,
     run,
     stuck_copy,
+    stuck_line,
     wait_for_any,
 )
 
@@ -402,7 +403,7 @@ def test_a_rank_stuck_on_its_worker_ends_with_a_line_and_the_worker_too(tmp_path
     args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
     r = run(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
     stacks = tmp_path / "ckpt/stacks_rank_0"
-    assert r.returncode == 1 and r.stderr == f"[rank 0] stuck for 2 s in step 1, data ({stacks})\n"
+    assert r.returncode == 1 and r.stderr == stuck_line(0, 2, "step 1, data", stacks.parent) + "\n"
     assert "in train_one_epoch" in stacks.read_text()  # the worker's stack is its own, not here
     assert "in load_image" not in stacks.read_text()
 
@@ -419,7 +420,7 @@ def test_the_watchdog_ends_a_rank_whose_files_cannot_be_written(stacks, tmp_path
     os.mkfifo(target) if stacks == "a FIFO" else target.mkdir()
     args = [*STUCK, "--epochs", 1, "--timeout", 1, "--checkpoint-dir", folder]
     r = run(stuck_copy(tmp_path, "data", rank=0), *args, timeout=60)
-    assert r.stderr.endswith(f"[rank 0] stuck for 2 s in step 3, data ({target})\n"), r
+    assert r.stderr.endswith(stuck_line(0, 2, "step 3, data", folder) + "\n"), r
     assert r.returncode == (-signal.SIGALRM if stacks == "a FIFO" else 1), r
 
 
@@ -434,7 +435,7 @@ def test_a_forked_ranks_stuck_worker_shows_its_stack_before_it_is_killed(tmp_pat
     os.mkfifo(tmp_path / "images/train/red/zz.png")
     args = ["--data", tmp_path / "images", "--workers", 1, "--batch-size", 32, "--timeout", 1]
     r = forked(SCRIPT, *SMALL[:4], *args, "--checkpoint-dir", tmp_path / "ckpt", timeout=60)
-    line = f"[rank 0] stuck for 2 s in step 1, data ({tmp_path}/ckpt/stacks_rank_0)\n"
+    line = stuck_line(0, 2, "step 1, data", tmp_path / "ckpt") + "\n"
     assert r.returncode == 1 and r.stderr.startswith(line), r
     assert "in load_image" in r.stderr[len(line) :], r
 
@@ -555,7 +556,7 @@ def test_a_write_slower_than_the_timeout_is_named_as_the_save(tmp_path):
     args = [*SMALL, "--checkpoint-dir", folder, "--timeout", 2]
     r = forked(script, *args, nproc=2).failed()
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
-    stuck = [f"[rank {i}] stuck for 3 s in step 4, save ({folder}/stacks_rank_{i})" for i in (0, 1)]
+    stuck = [stuck_line(i, 3, "step 4, save", folder) for i in (0, 1)]
     assert len(ours) == 2 and ours[0] == stuck[0], r
     # rank 1's own watchdog, or, if rank 0's came first (a busy machine), the lost peer
     lost = re.fullmatch(r"\[rank 1\] error: RuntimeError: .*gloo/.*; in step 4, save", ours[1])
@@ -1129,8 +1130,7 @@ def test_a_stuck_rank_names_itself_and_leaves_its_stack(case, launcher, tmp_path
     ours = sorted(line for line in r.stderr.splitlines() if line.startswith("[rank "))
     phases = ["backward", "backward", "data" if case == "frozen" else case]
     stuck = [
-        f"[rank {rank}] stuck for {timeout + 1} s in step 3, {phase} ({folder}/stacks_rank_{rank})"
-        for rank, phase in enumerate(phases)
+        stuck_line(i, timeout + 1, f"step 3, {phase}", folder) for i, phase in enumerate(phases)
     ]
     if case == "frozen":  # killed while stopped: no word from it, the launcher names it
         assert len(ours) == 2 and re.search(r"SIGKILL|via 9|code -9", r.stderr), r
