@@ -84,6 +84,8 @@ def main(args):
     # the group's timeout: 10 s past the watchdog's (Phases), which ends a hang first
     d = setup(args.timeout + 10, store=attempt_store(args.timeout))
     phases = Phases(d, args)
+    # images per step, over all ranks
+    args.global_batch = d.world_size * args.batch_size * args.accum_steps
     train_set, val_set, num_classes = build_datasets(args)
     # what a checkpoint must share with this run
     identity = {f"--{k.replace('_', '-')}": str(getattr(args, k)) for k in SAME_ON_RESUME}
@@ -149,7 +151,10 @@ def main(args):
             dist.barrier()  # (NCCL: rank 0's broadcast completes before it exits)
             if d.rank == 0:
                 (args.checkpoint_dir / "preempted").touch()
-                say(f"stopping on {stop.name} at step {state.step}: run the same command to resume")
+                say(
+                    f"stopping on {signal.Signals(stop).name} at step {state.step}: "
+                    "run the same command to resume"
+                )
             raise KeyboardInterrupt(stop)  # run_rank: one line, exit 128 + the signal
         phases.armed = True  # (a first step may compile)
 
@@ -412,7 +417,7 @@ def train_one_epoch(model, loader, state, args, d, hooks):
         state.optimizer.zero_grad()
         state.scheduler.step()
         state.step += 1
-        state.position += args.batch_size * args.accum_steps * d.world_size  # over all ranks
+        state.position += args.global_batch
 
         # the progress line: this step's loss and accuracy over every rank's images (logged
         # before this step's save, so that a resume from it finds the line)
@@ -513,7 +518,7 @@ class Preemption:
             arrived = torch.cuda.current_stream().record_event().synchronize  # for the copy
         (flag, arrived), self.in_flight = self.in_flight, (flag, arrived)
         arrived()
-        return signal.Signals(int(flag)) if flag else 0
+        return int(flag)
 
 
 # ---- forensics: where each rank is, and which rank the others waited for -----------------
@@ -563,9 +568,16 @@ class Phases(contextlib.AbstractContextManager):
                 )
                 try:
                     faulthandler.dump_traceback(open(self.stacks, "w"))
-                    # the flight recorder's record, under the engine's name (not in torch 2.4.1)
-                    torch._C._distributed_c10d._dump_fr_trace_file(
-                        self.d.rank, backend="nccl2" if self.cuda else "gloo"
+                    # the flight recorder's record of its engine: gloo, nccl2 or the legacy nccl
+                    engine = dist.group.WORLD._get_backend(self.d.device).name()
+                    c10d = torch._C._distributed_c10d
+                    record = (
+                        c10d._dump_nccl_trace()
+                        if engine == "nccl"
+                        else c10d._dump_fr_trace(backend=engine)
+                    )
+                    Path(f"{os.environ['TORCH_FR_DUMP_TEMP_FILE']}{self.d.rank}").write_bytes(
+                        record
                     )
                 finally:  # workers last: their SIGCHLD would raise in the main thread
                     for worker in mp.active_children():
@@ -675,7 +687,7 @@ def checkpoints_in(folder):
     """The checkpoints in folder, newest first: step-N.pt by the number N, of any length. A
     name that is not a number (a user's step-best.pt) is never loaded and never pruned."""
     paths = [path for path in folder.glob("step-*.pt") if path.stem[5:].isdigit()]
-    return sorted(paths, key=lambda path: int(path.stem[5:]), reverse=True)
+    return sorted(paths, key=lambda path: -int(path.stem[5:]))
 
 
 def read_checkpoint(path):
@@ -704,14 +716,13 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
     """Every rank: the checkpoint rank 0 chose, (path, contents), loaded into the training
     state; with other processes, batch or --epochs, from the same place in the data, on a
     one-cycle schedule rebuilt for the new number of steps. state.position counts the images
-    of this epoch's order used so far, over all ranks; the sampler deals the rest, so this
-    rank's share of them, in whole steps, is the steps left in the epoch."""
+    of this epoch's order used so far, over all ranks; the sampler deals the rest: this
+    rank's share, in whole steps, is the steps left."""
     path, saved = checkpoint
     try:
         state.load_state_dict(saved)
     except (RuntimeError, KeyError, ValueError) as e:  # build_model changed, say
-        first = str(e).splitlines()[0]
-        raise SetupError(f"{path} does not fit this model or optimizer: {first}") from e
+        raise SetupError(f"{path} does not fit this model or optimizer: {e}") from e
     sampler.set_position(state.epoch, state.position)
     left = len(sampler) // args.batch_size // args.accum_steps  # steps left in this epoch
     total = state.step + left + steps_per_epoch * (args.epochs - state.epoch - 1)
@@ -725,7 +736,7 @@ def resume(state, checkpoint, args, d, sampler, steps_per_epoch):
             state.optimizer, args.lr, total, last_epoch=state.step - 1
         )
     was = (saved["global_batch"], planned)
-    now = (d.world_size * args.batch_size * args.accum_steps, total)
+    now = (args.global_batch, total)
     if d.rank == 0:
         say(f"resuming from {path}: {done}, global step {state.step}")
         if was != now:
@@ -742,7 +753,7 @@ def save(state, writer, args, d, identity):
     writer.finish()
     if d.rank == 0:
         saved = state.state_dict() | {
-            "global_batch": d.world_size * args.batch_size * args.accum_steps,
+            "global_batch": args.global_batch,
             "args": identity,
         }
         buffer = io.BytesIO()
