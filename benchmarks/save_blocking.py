@@ -61,6 +61,7 @@ def main() -> None:
     dist.init_process_group(backend, rank=0, world_size=1, timeout=datetime.timedelta(60))
     args = m.build_parser().parse_args(["--checkpoint-dir", str(folder), "--keep", "2"])
     d = argparse.Namespace(rank=0, world_size=1, device=device)  # as 04's setup() returns it
+    args.global_batch = d.world_size * args.batch_size * args.accum_steps  # as 04's main() sets it
     shape = {"--arch": args.arch}  # what 04 keeps of the run's settings (any dict will do)
     m.lock(folder)  # as rank 0 does at start: makes the folder, holds its lock
     writer = m.Writer()
