@@ -170,8 +170,8 @@ def main(args):
             # each rank's BatchNorm statistics followed its own shard: all take rank 0's
             for buffer in model.buffers():
                 dist.broadcast(buffer, src=0)
-            # a stop cuts validation short (a scheduler's grace is often 30 s; ranks may stop
-            # at other batches: evaluate's one all-reduce does not mind), but the last one's
+            # a stop cuts validation short (a scheduler's grace is often 30 s; evaluate's one
+            # all-reduce lets ranks stop at other batches), but the last one's
             val_batches = itertools.takewhile(
                 lambda batch: state.epoch == args.epochs - 1 or not preemption.asked, val_loader
             )
@@ -185,7 +185,7 @@ def main(args):
             state.epoch += 1
             state.position = 0
             after_step(due=True)
-        writer.finish()  # the last write is on disk (or all stop on its error)
+        writer.finish()  # the last write on disk (or all stop on its error)
         verified = verify_replicas_identical(model, d)
 
     # ---- after training: the saved model, the summary -------------------------------------
@@ -547,7 +547,7 @@ class Phases(contextlib.AbstractContextManager):
         self.since = now
         self.phase = phase
         self.where = f"step {step}, {phase}"
-        # GPUs: CUDA events around each forward (at most 1,000 a progress line)
+        # GPUs: CUDA events around each forward, 1,000 at most
         if self.cuda and phase in ("forward", "backward") and len(self.events) < 2000:
             self.events.append(torch.cuda.Event(enable_timing=True))
             self.events[-1].record()
@@ -568,7 +568,8 @@ class Phases(contextlib.AbstractContextManager):
                 )
                 try:
                     faulthandler.dump_traceback(open(self.stacks, "w"))
-                    # the flight recorder's record of its engine: gloo, nccl2 or the legacy nccl
+                    # the flight recorder's record, by the engine's own name: gloo (none in torch
+                    # 2.4.1: to the finally), nccl2, or the legacy engine's nccl
                     engine = dist.group.WORLD._get_backend(self.d.device).name()
                     c10d = torch._C._distributed_c10d
                     record = (
