@@ -108,27 +108,29 @@ STACKS_SIGNAL = signal.SIGUSR2
 
 
 def dump_stacks(procs, err_files: list[Path]) -> None:
-    """Asks each process still running, and each descendant that catches STACKS_SIGNAL (a
-    forked one: not a process that mp.spawn or torchrun started afresh, which it would kill),
-    for its stacks; returns when the files they write to have stopped growing (at most 3 s)."""
-    for proc in procs:
-        if proc.exitcode is None:
-            for pid in [proc.pid, *_descendants(proc.pid)]:
-                try:
-                    with open(f"/proc/{pid}/status") as f:
-                        caught = next(line for line in f if line.startswith("SigCgt:"))
-                    if int(caught.split()[1], 16) >> (STACKS_SIGNAL - 1) & 1:
-                        os.kill(pid, STACKS_SIGNAL)
-                except (OSError, StopIteration):  # gone already
-                    pass
-    sizes = None
-    deadline = time.monotonic() + 3
-    while time.monotonic() < deadline:
-        now = [path.stat().st_size if path.exists() else 0 for path in err_files]
-        if now == sizes:
-            return
-        sizes = now
-        time.sleep(0.2)  # (polling the files, not waiting for the processes)
+    """Asks each process still running, then each of its descendants that catches
+    STACKS_SIGNAL (a forked one: not a process that mp.spawn or torchrun started afresh, which
+    it would kill), for its stacks. Two waves, each until the files they write to have stopped
+    growing (at most 3 s): a rank's stacks come whole, before its DataLoader workers', which
+    write at once (each repeats its rank's frames up to the fork)."""
+    ranks = [proc.pid for proc in procs if proc.exitcode is None]
+    for wave in (ranks, [pid for rank in ranks for pid in _descendants(rank)]):
+        for pid in wave:
+            try:
+                with open(f"/proc/{pid}/status") as f:
+                    caught = next(line for line in f if line.startswith("SigCgt:"))
+                if int(caught.split()[1], 16) >> (STACKS_SIGNAL - 1) & 1:
+                    os.kill(pid, STACKS_SIGNAL)
+            except (OSError, StopIteration):  # gone already
+                pass
+        sizes = None
+        deadline = time.monotonic() + 3
+        while time.monotonic() < deadline:
+            now = [path.stat().st_size if path.exists() else 0 for path in err_files]
+            if now == sizes:
+                break
+            sizes = now
+            time.sleep(0.2)  # (polling the files, not waiting for the processes)
 
 
 # The signals the scripts end on (their STOP_SIGNALS): every launch, and every forked rank,
@@ -372,7 +374,11 @@ def forked(
                 proc.join(max(0.0, started + timeout - time.monotonic()))
             if any(proc.exitcode is None for proc in procs):
                 dump_stacks(procs, [folder / f"{rank}.err" for rank in range(nproc)])
-                pytest.fail(f"forked run timed out after {timeout}s and was killed:\n{result(-9)}")
+                hung = result(-9)
+                pytest.fail(  # the whole stderr: each rank's stacks, then its workers'
+                    f"forked run timed out after {timeout}s and was killed:\n{hung}\n"
+                    f"--- stderr before its last 4000 characters\n{hung.stderr[:-4000]}"
+                )
         finally:  # killed at the deadline, or if starting one of them failed
             for proc in procs:
                 if proc.pid is not None and proc.exitcode is None:
