@@ -48,11 +48,13 @@ class Run:
     stdout: str
     stderr: str
     seconds: float
+    tail: int | None = 4000  # a failure's message shows stderr's last characters (None: all)
 
     def __str__(self) -> str:
+        stderr = self.stderr if self.tail is None else self.stderr[-self.tail :]
         return (
             f"$ {' '.join(self.cmd)}\nexit {self.returncode} after {self.seconds:.1f}s\n"
-            f"--- stdout\n{self.stdout}\n--- stderr\n{self.stderr[-4000:]}"
+            f"--- stdout\n{self.stdout}\n--- stderr\n{stderr}"
         )
 
     def ok(self) -> Run:
@@ -375,10 +377,8 @@ def forked(
             if any(proc.exitcode is None for proc in procs):
                 dump_stacks(procs, [folder / f"{rank}.err" for rank in range(nproc)])
                 hung = result(-9)
-                pytest.fail(  # the whole stderr: each rank's stacks, then its workers'
-                    f"forked run timed out after {timeout}s and was killed:\n{hung}\n"
-                    f"--- stderr before its last 4000 characters\n{hung.stderr[:-4000]}"
-                )
+                hung.tail = None  # all of stderr: each rank's stacks, then its workers'
+                pytest.fail(f"forked run timed out after {timeout}s and was killed:\n{hung}")
         finally:  # killed at the deadline, or if starting one of them failed
             for proc in procs:
                 if proc.pid is not None and proc.exitcode is None:

@@ -1158,7 +1158,8 @@ def test_a_stuck_rank_names_itself_and_leaves_its_stack(case, launcher, tmp_path
 
 def fr_status(path: Path) -> tuple[int, int]:
     """A flight recorder's dump: the default group's last queued and last completed
-    collective (their sequence numbers)."""
+    collective (their sequence numbers), once its last entry is seen to carry the Python
+    stack that queued it."""
     import pickle
 
     record = pickle.loads(path.read_bytes())
